@@ -1,0 +1,42 @@
+# Every target sets up what it needs: `make run` and `make test` work on a fresh machine.
+SHELL := /bin/bash
+PY_BOOT ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+MODEL ?=
+ARGS ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: run test proto model install lint bench bench-engine clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	$(PY_BOOT) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch 2.13.0 is pinned: its CPU wheel is on this machine's disk; other versions download gigabytes.
+	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Generated code goes to ringserve/v1/ (git-ignored); never edit it by hand.
+proto: $(STAMP)
+	$(PY) -m ringserve.protogen
+
+model: proto
+	$(PY) -m ringserve.default_model
+
+run: model
+	$(PY) -m ringserve.launcher $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+test: model
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+lint: proto
+	npx --yes @bufbuild/buf lint protos
+
+bench-engine: model
+	$(PY) -m services.scheduler.bench $(ARGS)
+
+clean:
+	rm -rf ringserve/v1 .cache

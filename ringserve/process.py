@@ -1,0 +1,153 @@
+"""Start a service as an OS process and wait for it to be ready, without sleeping.
+
+Used by the launcher (`make run`) and by the end-to-end tests. Readiness is event driven:
+gRPC services are watched with grpc.health.v1 `Watch` (the server pushes SERVING), the HTTP
+gateway prints a readiness line that is read from its output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_LINE = "RINGSERVE READY"  # printed by a service once it serves (the gateway, for HTTP)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_grpc_serving(target: str, timeout: float, service: str = "") -> None:
+    """Block until `target` reports SERVING on grpc.health.v1, or raise TimeoutError."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s")
+            try:
+                # wait_for_ready holds the call until the server accepts connections; Watch then
+                # streams every status change, so nothing here polls.
+                for resp in stub.Watch(health_pb2.HealthCheckRequest(service=service),
+                                       timeout=left, wait_for_ready=True):
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s") from e
+                # The server went away mid-watch (restart): the loop asks again.
+                if time.monotonic() >= deadline:
+                    raise
+
+
+class ServiceProcess:
+    """A child process whose output is copied, line by line with a prefix, to `sink`."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
+                 sink: IO[str] | None = None, cwd: Path = ROOT) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.sink = sink if sink is not None else sys.stdout
+        self.cwd = cwd
+        self.proc: subprocess.Popen[str] | None = None
+        self.tail: deque[str] = deque(maxlen=200)
+        self._ready = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> "ServiceProcess":
+        self._ready.clear()
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
+        self._reader.start()
+        return self
+
+    def _pump(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.tail.append(line)
+            if READY_LINE in line:
+                self._ready.set()
+            try:
+                self.sink.write(f"[{self.name}] {line}")
+                self.sink.flush()
+            except ValueError:  # sink closed at interpreter exit
+                pass
+
+    def wait_ready_line(self, timeout: float) -> None:
+        """Block until the process prints READY_LINE (or dies, or the timeout passes)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic()))):
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.name} printed no readiness line in {timeout:.0f}s:\n{self.output()}")
+
+    def wait_serving(self, target: str, timeout: float) -> None:
+        try:
+            wait_grpc_serving(target, timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{self.name} output:\n{self.output()}") from e
+
+    def output(self) -> str:
+        return "".join(self.tail)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (the service drains), then SIGKILL the whole process group after `timeout`."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        return self.proc.returncode
+
+
+def python_cmd(module: str, *args: str) -> list[str]:
+    """`python -m module args`, the same command the containers run."""
+    return [sys.executable, "-m", module, *args]
+
+
+def reap_on_signal(procs: list[ServiceProcess]) -> None:
+    """Install SIGTERM/SIGINT handlers that stop `procs` (for scripts that own children)."""
+    def handler(signum: int, frame: object) -> None:
+        for p in reversed(procs):
+            p.stop()
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+

@@ -1,0 +1,179 @@
+"""A Hugging Face tokenizer loaded without torch: tokenizer.json, chat template, EOS ids.
+
+`transformers.PreTrainedTokenizerFast` imports torch, and the gateway, tokenizer and detokenizer
+images must not carry torch, so this reads the same files with the `tokenizers` library and renders
+chat templates with jinja2 in a sandbox, the way transformers does. Decoding is
+`tokenizers.Tokenizer.decode`, which is what transformers' fast tokenizers call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "config.json", "chat_template.jinja", "chat_template.json"]
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages (its own raise_exception, or a render error)."""
+
+
+def resolve_model_dir(model: str, allow_patterns: list[str] | None = None) -> Path:
+    """A local directory as is; anything else is a hub id fetched into HF_HOME's cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=allow_patterns or TOKENIZER_FILES))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _token_str(value: Any) -> str | None:
+    """Special tokens in tokenizer_config.json are either strings or AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+@dataclass
+class TextTokenizer:
+    """Tokenizer, chat template and the model facts the text side needs."""
+
+    tokenizer: Tokenizer
+    model_dir: Path
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: list[int]
+    context_length: int
+    clean_up_tokenization_spaces: bool = False
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_model(cls, model: str) -> "TextTokenizer":
+        model_dir = resolve_model_dir(model)
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tcfg = _read_json(model_dir / "tokenizer_config.json")
+        cfg = _read_json(model_dir / "config.json")
+        gen = _read_json(model_dir / "generation_config.json")
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        for name in ("chat_template.jinja",):
+            if template is None and (model_dir / name).exists():
+                template = (model_dir / name).read_text(encoding="utf-8")
+        if template is None and (model_dir / "chat_template.json").exists():
+            template = _read_json(model_dir / "chat_template.json").get("chat_template")
+        eos_token = _token_str(tcfg.get("eos_token"))
+        eos_ids = _as_list(gen.get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
+        if not eos_ids and eos_token is not None and tok.token_to_id(eos_token) is not None:
+            eos_ids = [tok.token_to_id(eos_token)]
+        text_cfg = cfg.get("text_config", cfg)
+        context = int(text_cfg.get("max_position_embeddings") or tcfg.get("model_max_length") or 2048)
+        special = frozenset(t.id for t in _added_tokens(tok) if t.special)
+        return cls(tokenizer=tok, model_dir=model_dir, chat_template=template,
+                   bos_token=_token_str(tcfg.get("bos_token")), eos_token=eos_token,
+                   eos_token_ids=eos_ids, context_length=context,
+                   clean_up_tokenization_spaces=bool(tcfg.get("clean_up_tokenization_spaces", False)),
+                   special_ids=special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up(text) if self.clean_up_tokenization_spaces else text
+
+    def decode_batch(self, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        texts = self.tokenizer.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+        return [_clean_up(t) for t in texts] if self.clean_up_tokenization_spaces else texts
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id decoded alone (what OpenAI logprobs call a token)."""
+        return self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+
+    @cached_property
+    def _template(self) -> Any:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ChatTemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """Render messages to the prompt text (special tokens are part of the template)."""
+        if not self.chat_template:
+            raise ChatTemplateError("the model has no chat template")
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any template failure is the caller's input problem
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+        if continue_final_message and messages:
+            last = messages[-1].get("content") or ""
+            cut = text.rfind(last)
+            if cut < 0:
+                raise ChatTemplateError("continue_final_message: last message not found in rendered text")
+            text = text[: cut + len(last)]
+        return text
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _added_tokens(tok: Tokenizer) -> list[Any]:
+    decoder = tok.get_added_tokens_decoder()  # {id: AddedToken}
+    for i, t in decoder.items():
+        t.id = i  # type: ignore[attr-defined]
+    return list(decoder.values())
+
+
+def _clean_up(text: str) -> str:
+    """transformers' clean_up_tokenization, for tokenizers that ask for it."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
+
+
+def default_model() -> str:
+    """MODEL / RINGSERVE_MODEL, else the locally built default model directory."""
+    from ringserve.default_model import DEFAULT_MODEL_DIR
+
+    return os.environ.get("RINGSERVE_MODEL") or os.environ.get("MODEL") or str(DEFAULT_MODEL_DIR)

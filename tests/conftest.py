@@ -1,0 +1,19 @@
+"""Shared fixtures. Generated protobuf code and the default model are built by `make test` first."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    from ringserve.default_model import DEFAULT_MODEL_DIR, build
+
+    return str(build(DEFAULT_MODEL_DIR))
