@@ -1,0 +1,184 @@
+"""`make run`: start detokenizer -> scheduler -> tokenizer -> gateway as four OS processes.
+
+Each service is started with the same command its container runs, and only once the previous one
+reports SERVING (grpc.health.v1 Watch; the gateway prints a readiness line). A service that exits
+unexpectedly is restarted with exponential backoff, like a container restart policy. Ctrl-C or
+SIGTERM stops everything in reverse order (each service drains on SIGTERM).
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ringserve.config import parse_config
+from ringserve.logs import setup_logging
+from ringserve.process import ServiceProcess, python_cmd
+from ringserve.text_tokenizer import default_model
+
+log = logging.getLogger("launcher")
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Run the four ringserve services locally."""
+
+    model: str = field(default_factory=default_model, metadata={"help": "model dir or hub id"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address every service binds"})
+    gateway_port: int = 30000
+    tokenizer_port: int = 50051
+    scheduler_port: int = 50052
+    detokenizer_port: int = 50053
+    tokenizer_metrics_port: int = 9091
+    scheduler_metrics_port: int = 9092
+    detokenizer_metrics_port: int = 9093
+    startup_timeout_s: float = field(default=600.0, metadata={"help": "per service, model load included"})
+    restart: bool = field(default=True, metadata={"help": "restart a service that exits"})
+    max_backoff_s: float = 30.0
+    scheduler_args: str = field(default="", metadata={"help": "extra flags for the scheduler"})
+    tokenizer_args: str = field(default="", metadata={"help": "extra flags for the tokenizer"})
+    detokenizer_args: str = field(default="", metadata={"help": "extra flags for the detokenizer"})
+    gateway_args: str = field(default="", metadata={"help": "extra flags for the gateway"})
+
+
+@dataclass
+class Managed:
+    """A service under supervision, with how to know it is ready."""
+
+    proc: ServiceProcess
+    grpc_target: str | None  # None: wait for the readiness line (the gateway)
+    restarts: int = 0
+
+
+def service_commands(cfg: LauncherConfig) -> list[tuple[str, list[str], str | None]]:
+    """(name, command, gRPC health target) in start order."""
+    h = cfg.host
+    detok = f"{h}:{cfg.detokenizer_port}"
+    sched = f"{h}:{cfg.scheduler_port}"
+    tok = f"{h}:{cfg.tokenizer_port}"
+    m = ["--model", cfg.model]
+    return [
+        ("detokenizer", python_cmd("services.detokenizer", "--host", h, "--port", str(cfg.detokenizer_port),
+                                   "--metrics-port", str(cfg.detokenizer_metrics_port), *m,
+                                   *shlex.split(cfg.detokenizer_args)), detok),
+        ("scheduler", python_cmd("services.scheduler", "--host", h, "--port", str(cfg.scheduler_port),
+                                 "--metrics-port", str(cfg.scheduler_metrics_port), *m,
+                                 "--detokenizer", detok, *shlex.split(cfg.scheduler_args)), sched),
+        ("tokenizer", python_cmd("services.tokenizer", "--host", h, "--port", str(cfg.tokenizer_port),
+                                 "--metrics-port", str(cfg.tokenizer_metrics_port), *m,
+                                 "--scheduler", sched, "--detokenizer", detok,
+                                 *shlex.split(cfg.tokenizer_args)), tok),
+        ("gateway", python_cmd("gateway", "--host", h, "--port", str(cfg.gateway_port), "--tokenizer", tok,
+                               *shlex.split(cfg.gateway_args)), None),
+    ]
+
+
+class Launcher:
+    def __init__(self, cfg: LauncherConfig) -> None:
+        self.cfg = cfg
+        self.stopping = threading.Event()
+        self.services: list[Managed] = []
+
+    def _wait_ready(self, svc: Managed) -> None:
+        if svc.grpc_target is not None:
+            svc.proc.wait_serving(svc.grpc_target, self.cfg.startup_timeout_s)
+        else:
+            svc.proc.wait_ready_line(self.cfg.startup_timeout_s)
+
+    def start_all(self) -> None:
+        for name, cmd, target in service_commands(self.cfg):
+            log.info("starting %s: %s", name, shlex.join(cmd))
+            svc = Managed(ServiceProcess(name, cmd).start(), target)
+            self.services.append(svc)
+            t0 = time.monotonic()
+            self._wait_ready(svc)
+            log.info("%s ready in %.1fs", name, time.monotonic() - t0)
+        for svc in self.services:
+            threading.Thread(target=self._supervise, args=(svc,), daemon=True, name=svc.proc.name).start()
+
+    def _supervise(self, svc: Managed) -> None:
+        """Restart `svc` whenever it exits, with backoff reset after a minute of good health."""
+        backoff = 1.0
+        while not self.stopping.is_set():
+            assert svc.proc.proc is not None
+            started = time.monotonic()
+            code = svc.proc.proc.wait()
+            if self.stopping.is_set() or not self.cfg.restart:
+                if not self.stopping.is_set():
+                    log.error("%s exited with %s; restart disabled", svc.proc.name, code)
+                return
+            if time.monotonic() - started > 60:
+                backoff = 1.0
+            log.warning("%s exited with %s; restarting in %.0fs", svc.proc.name, code, backoff)
+            if self.stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, self.cfg.max_backoff_s)
+            svc.restarts += 1
+            svc.proc.start()
+            try:
+                self._wait_ready(svc)
+                log.info("%s back (restart %d)", svc.proc.name, svc.restarts)
+            except (TimeoutError, RuntimeError) as e:
+                log.error("%s did not become ready after restart: %s", svc.proc.name, e)
+
+    def stop_all(self) -> None:
+        self.stopping.set()
+        for svc in reversed(self.services):
+            code = svc.proc.stop()
+            log.info("%s stopped (exit %s)", svc.proc.name, code)
+
+    def banner(self) -> str:
+        base = f"http://{self.cfg.host}:{self.cfg.gateway_port}"
+        return "\n".join([
+            "",
+            f"ringserve is serving {self.cfg.model}",
+            f"  HTTP gateway (OpenAI + SGLang native): {base}",
+            f"  public gRPC API (tokenizer):           {self.cfg.host}:{self.cfg.tokenizer_port}",
+            f"  metrics: {base}/metrics, http://{self.cfg.host}:{self.cfg.tokenizer_metrics_port}/metrics, "
+            f"http://{self.cfg.host}:{self.cfg.scheduler_metrics_port}/metrics, "
+            f"http://{self.cfg.host}:{self.cfg.detokenizer_metrics_port}/metrics",
+            "try:",
+            f"  curl {base}/generate -d '{{\"text\":\"你好\",\"sampling_params\":{{\"max_new_tokens\":8}}}}'",
+            f"  curl {base}/v1/completions -H 'Content-Type: application/json' "
+            f"-d '{{\"model\":\"{Path(self.cfg.model).name}\",\"prompt\":\"Hello\",\"max_tokens\":8}}'",
+            "Ctrl-C stops everything.",
+            "",
+        ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("launcher")
+    cfg = parse_config(LauncherConfig, argv)
+    launcher = Launcher(cfg)
+    done = threading.Event()
+    started = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        done.set()
+        if not started.is_set():
+            raise KeyboardInterrupt  # interrupt a startup wait (model load can take minutes)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        launcher.start_all()
+    except (TimeoutError, RuntimeError, KeyboardInterrupt) as e:
+        log.error("startup stopped: %s", e or "interrupted")
+        launcher.stop_all()
+        return 1
+    started.set()
+    print(launcher.banner(), flush=True)
+    done.wait()
+    launcher.stop_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
