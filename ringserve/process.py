@@ -66,7 +66,9 @@ class ServiceProcess:
         self.sink = sink if sink is not None else sys.stdout
         self.cwd = cwd
         self.proc: subprocess.Popen[str] | None = None
-        self.tail: deque[str] = deque(maxlen=200)
+        self.tail: deque[str] = deque(maxlen=2000)
+        self.lines_seen = 0
+        self._new_line = threading.Condition()
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
 
@@ -82,7 +84,10 @@ class ServiceProcess:
     def _pump(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            self.tail.append(line)
+            with self._new_line:
+                self.tail.append(line)
+                self.lines_seen += 1
+                self._new_line.notify_all()
             if READY_LINE in line:
                 self._ready.set()
             try:
@@ -99,6 +104,21 @@ class ServiceProcess:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.name} printed no readiness line in {timeout:.0f}s:\n{self.output()}")
+
+    def wait_output(self, text: str, timeout: float, after: int = 0) -> str:
+        """Block until a line printed after line number `after` contains `text`; return it."""
+        deadline = time.monotonic() + timeout
+        with self._new_line:
+            while True:
+                recent = list(self.tail)[-(self.lines_seen - after):] if self.lines_seen > after else []
+                for line in recent:
+                    if text in line:
+                        return line
+                after = self.lines_seen
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: no line with {text!r} in {timeout:.0f}s")
+                self._new_line.wait(left)
 
     def wait_serving(self, target: str, timeout: float) -> None:
         try:

@@ -1,0 +1,97 @@
+"""The gateway's one gRPC channel to the tokenizer's InferenceService, and the calls it makes.
+
+Every call fails fast (no wait_for_ready): while the tokenizer is away the client gets a 503 at
+once instead of a request that hangs. A generation stream that is closed early (the HTTP client
+went away) cancels its gRPC call, which makes the tokenizer abort the request at the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.errors import from_rpc
+from ringserve.grpc_server import insecure_channel
+from ringserve.v1 import api_pb2 as pb
+from ringserve.v1 import api_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+INFO_TIMEOUT_S = 10.0  # unary control calls; generation has no deadline (outputs can be long)
+
+
+class Backend:
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.channel = insecure_channel(target)
+        self.stub = api_pb2_grpc.InferenceServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._model_info: pb.GetModelInfoResponse | None = None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(self, req: pb.GenerateRequest,
+                       param_map: dict[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the tokenizer's messages; a failed call raises GatewayError (mapped status)."""
+        call = self.stub.Generate(req)
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            log.info("rid=%s generate failed: %s %s", req.rid, e.code().name, e.details())
+            raise from_rpc(e, param_map) from None
+        finally:
+            # No-op when the call already ended; otherwise (client gone, generator closed) the
+            # tokenizer sees the cancel and aborts the request at the scheduler.
+            if call.cancel():
+                log.info("rid=%s cancelled (client went away)", req.rid)
+
+    async def _unary(self, method: str, req: object, timeout: float = INFO_TIMEOUT_S,
+                     wait_for_ready: bool = False) -> object:
+        try:
+            return await getattr(self.stub, method)(req, timeout=timeout, wait_for_ready=wait_for_ready)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc(e) from None
+
+    async def model_info(self, wait_s: float | None = None) -> pb.GetModelInfoResponse:
+        """Cached after the first success: the model cannot change under a running tokenizer."""
+        if self._model_info is None:
+            if wait_s is not None:
+                info = await self._unary("GetModelInfo", pb.GetModelInfoRequest(), wait_s, True)
+            else:
+                info = await self._unary("GetModelInfo", pb.GetModelInfoRequest())
+            assert isinstance(info, pb.GetModelInfoResponse)
+            self._model_info = info
+        return self._model_info
+
+    async def server_info(self) -> pb.GetServerInfoResponse:
+        resp = await self._unary("GetServerInfo", pb.GetServerInfoRequest())
+        assert isinstance(resp, pb.GetServerInfoResponse)
+        return resp
+
+    async def flush_cache(self) -> pb.FlushCacheResponse:
+        resp = await self._unary("FlushCache", pb.FlushCacheRequest())
+        assert isinstance(resp, pb.FlushCacheResponse)
+        return resp
+
+    async def abort(self, rid: str) -> bool:
+        resp = await self._unary("Abort", pb.AbortRequest(rid=rid))
+        assert isinstance(resp, pb.AbortResponse)
+        return resp.found
+
+    async def detokenize(self, ids: list[int]) -> str:
+        resp = await self._unary("Detokenize", pb.DetokenizeRequest(ids=ids, skip_special_tokens=False))
+        assert isinstance(resp, pb.DetokenizeResponse)
+        return resp.text
+
+    async def serving(self) -> bool:
+        """True only when the tokenizer says SERVING on grpc.health (service "")."""
+        try:
+            resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING

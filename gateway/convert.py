@@ -1,0 +1,171 @@
+"""HTTP request models -> GenerateRequest protobuf, and protobuf pieces -> JSON shapes.
+
+The gateway only renames and reshapes: validation of values (ranges, lengths, the model's
+context) is the tokenizer's job, and its INVALID_ARGUMENT names the field in protobuf terms;
+OPENAI_PARAMS maps those names back to what an OpenAI client sent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from gateway.errors import GatewayError, from_status, status_from_int
+from gateway.native_protocol import NativeSamplingParams
+from gateway.protocol import ChatCompletionRequest, ChatMessage, Prompt, SamplingExtras
+from ringserve.v1 import api_pb2 as pb
+from ringserve.v1 import common_pb2
+
+_SAMPLING_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+OPENAI_PARAMS: dict[str, str] = {
+    **{f"sampling_params.{f.name}": _SAMPLING_RENAMES.get(f.name, f.name)
+       for f in common_pb2.SamplingParams.DESCRIPTOR.fields},
+    "text": "prompt", "input_ids": "prompt", "chat": "messages", "chat.messages": "messages",
+    "top_logprobs_num": "logprobs", "model": "model",
+}
+CHAT_PARAMS = {**OPENAI_PARAMS, "top_logprobs_num": "top_logprobs",
+               "sampling_params.max_new_tokens": "max_completion_tokens"}
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def sampling_from_openai(req: SamplingExtras, max_tokens: int | None) -> common_pb2.SamplingParams:
+    sp = common_pb2.SamplingParams(
+        stop=_stops(req.stop), stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+        min_new_tokens=req.min_tokens, no_stop_trim=req.no_stop_trim, n=req.n,
+        frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        min_p=req.min_p or 0.0)
+    # proto3 `optional` fields: unset means "the tokenizer's default", so copy only what was sent.
+    for name, value in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k),
+                        ("repetition_penalty", req.repetition_penalty), ("max_new_tokens", max_tokens),
+                        ("seed", req.seed), ("skip_special_tokens", req.skip_special_tokens),
+                        ("spaces_between_special_tokens", req.spaces_between_special_tokens),
+                        ("regex", req.regex), ("ebnf", req.ebnf), ("json_schema", req.json_schema)):
+        if value is not None:
+            setattr(sp, name, value)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        sp.json_schema = '{"type": "object"}'
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = (fmt.json_schema or {}).get("schema")
+        if schema is None:
+            raise GatewayError(400, "response_format.json_schema.schema: required", param="response_format")
+        sp.json_schema = json.dumps(schema)
+    return sp
+
+
+def sampling_from_native(sp_in: NativeSamplingParams | None) -> common_pb2.SamplingParams:
+    sp_in = sp_in or NativeSamplingParams()
+    sp = common_pb2.SamplingParams(
+        stop=_stops(sp_in.stop), stop_token_ids=sp_in.stop_token_ids or [], ignore_eos=sp_in.ignore_eos,
+        min_new_tokens=sp_in.min_new_tokens or 0, no_stop_trim=sp_in.no_stop_trim,
+        frequency_penalty=sp_in.frequency_penalty or 0.0, presence_penalty=sp_in.presence_penalty or 0.0,
+        min_p=sp_in.min_p or 0.0)
+    seed = sp_in.seed if sp_in.seed is not None else sp_in.sampling_seed
+    for name, value in (("temperature", sp_in.temperature), ("top_p", sp_in.top_p), ("top_k", sp_in.top_k),
+                        ("repetition_penalty", sp_in.repetition_penalty),
+                        ("max_new_tokens", sp_in.max_new_tokens), ("seed", seed), ("n", sp_in.n),
+                        ("skip_special_tokens", sp_in.skip_special_tokens),
+                        ("spaces_between_special_tokens", sp_in.spaces_between_special_tokens),
+                        ("regex", sp_in.regex), ("ebnf", sp_in.ebnf), ("json_schema", sp_in.json_schema)):
+        if value is not None:
+            setattr(sp, name, value)
+    return sp
+
+
+def split_prompt(prompt: Prompt) -> list[str | list[int]]:
+    """OpenAI's four prompt forms -> one entry per prompt (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise GatewayError(400, "prompt: must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def set_prompt(req: pb.GenerateRequest, prompt: str | list[int]) -> None:
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.input_ids.ids.extend(prompt)
+
+
+def message_text(msg: ChatMessage, i: int) -> str:
+    """A message's content as one string; text parts are joined with a space, as SGLang does."""
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    texts = []
+    for j, part in enumerate(msg.content):
+        if part.type != "text" or part.text is None:
+            raise GatewayError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                               param=f"messages.{i}.content")
+        texts.append(part.text)
+    return " ".join(texts)
+
+
+def chat_input(req: ChatCompletionRequest) -> pb.ChatInput:
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role=m.role, content=message_text(m, i))
+                                  for i, m in enumerate(req.messages)],
+                        continue_final_message=req.continue_final_message)
+    if req.add_generation_prompt is not None:
+        chat.add_generation_prompt = req.add_generation_prompt
+    return chat
+
+
+def finish_error(fr: common_pb2.FinishReason, param_map: dict[str, str] | None = None) -> GatewayError:
+    """An "abort" finish as an error; a clean abort (code 0) was asked for, hence CANCELLED."""
+    code = status_from_int(fr.status_code) if fr.status_code else grpc.StatusCode.CANCELLED
+    return from_status(code, fr.message or "request aborted", param_map)
+
+
+def matched(fr: common_pb2.FinishReason) -> int | str | None:
+    which = fr.WhichOneof("matched")
+    return getattr(fr, which) if which else None
+
+
+def native_finish_reason(fr: common_pb2.FinishReason, completion_tokens: int) -> dict[str, Any] | None:
+    """SGLang's meta_info.finish_reason shapes."""
+    if not fr.type:
+        return None
+    if fr.type == "stop":
+        return {"type": "stop", "matched": matched(fr)}
+    if fr.type == "length":
+        return {"type": "length", "length": completion_tokens}
+    return {"type": fr.type, "message": fr.message, "status_code": fr.status_code or None}
+
+
+def native_logprobs(lps: list[common_pb2.TokenLogprob], top_n: int) -> tuple[list[Any], list[Any] | None]:
+    """SGLang: output_token_logprobs [[logprob, id, text]], output_top_logprobs [[[lp, id, text], ...]]."""
+    tokens = [[lp.logprob, lp.token_id, lp.token or None] for lp in lps]
+    if top_n <= 0:
+        return tokens, None
+    tops = [[[t.logprob, t.token_id, t.token or None] for t in lp.top_logprobs] for lp in lps]
+    return tokens, tops
+
+
+def completion_logprobs(lps: list[common_pb2.TokenLogprob], start_offset: int) -> dict[str, Any]:
+    """Legacy completions shape; text_offset counts characters from the start of the choice text."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = start_offset
+    for lp in lps:
+        out["tokens"].append(lp.token)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({t.token: t.logprob for t in lp.top_logprobs})
+        out["text_offset"].append(offset)
+        offset += len(lp.token)
+    return out
+
+
+def chat_logprobs(lps: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
+    return {"content": [
+        {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode("utf-8")),
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
+                          for t in lp.top_logprobs]}
+        for lp in lps]}

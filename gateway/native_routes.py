@@ -1,0 +1,195 @@
+"""SGLang-native routes: /generate, /health, /health_generate, /get_model_info, /get_server_info,
+/flush_cache, /abort_request. Shapes follow SGLang's http_server so its clients work unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from google.protobuf.json_format import MessageToDict
+
+from gateway.convert import native_finish_reason, native_logprobs, sampling_from_native, set_prompt
+from gateway.errors import GatewayError
+from gateway.native_protocol import AbortReq, GenerateReqInput
+from gateway.openai_routes import ERRORS, STREAM_DOC
+from gateway.sse import prime, sse_response
+from gateway.state import get_state
+from gateway.streams import Sample, cancel_on_disconnect, collect, merge
+from ringserve.v1 import api_pb2 as pb
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["sglang"])
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+@dataclass
+class _Item:
+    req: pb.GenerateRequest
+    top_n: int
+
+
+def _pick(value: Any, i: int, batch: int, name: str) -> Any:
+    """A per-prompt field: one value for all prompts, or a list with one per prompt."""
+    if isinstance(value, list):
+        if len(value) != batch:
+            raise GatewayError(400, f"{name}: expected {batch} values, got {len(value)}", param=name)
+        return value[i]
+    return value
+
+
+def _items(body: GenerateReqInput) -> tuple[list[_Item], bool]:
+    """The request as one GenerateRequest per prompt; True when the input was a batch."""
+    if (body.text is None) == (body.input_ids is None):
+        raise GatewayError(400, "text: exactly one of text and input_ids is required", param="text")
+    if body.text is not None:
+        prompts: list[str | list[int]] = [body.text] if isinstance(body.text, str) else list(body.text)
+        is_batch = isinstance(body.text, list)
+    else:
+        ids = body.input_ids or []
+        is_batch = bool(ids) and isinstance(ids[0], list)
+        prompts = list(ids) if is_batch else [ids]  # type: ignore[list-item]
+    if not prompts:
+        raise GatewayError(400, "text: empty batch", param="text")
+    items = []
+    for i, prompt in enumerate(prompts):
+        rid = _pick(body.rid, i, len(prompts), "rid") or uuid.uuid4().hex
+        top_n = int(_pick(body.top_logprobs_num, i, len(prompts), "top_logprobs_num") or 0)
+        req = pb.GenerateRequest(
+            rid=rid, stream=body.stream, top_logprobs_num=top_n, return_timings=body.return_timings,
+            return_logprob=bool(_pick(body.return_logprob, i, len(prompts), "return_logprob")),
+            sampling_params=sampling_from_native(_pick(body.sampling_params, i, len(prompts), "sampling_params")))
+        set_prompt(req, prompt)
+        items.append(_Item(req, top_n))
+    return items, is_batch
+
+
+def _output(item: _Item, sample: Sample, index: int | None) -> dict[str, Any]:
+    m = sample.meta
+    meta: dict[str, Any] = {
+        "id": m.id or item.req.rid, "finish_reason": native_finish_reason(m.finish_reason, m.completion_tokens),
+        "prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
+        "cached_tokens": m.cached_tokens}
+    if sample.finished:
+        meta["e2e_latency"] = m.e2e_latency
+    if item.req.return_logprob:
+        meta["output_token_logprobs"], tops = native_logprobs(sample.logprobs, item.top_n)
+        if tops is not None:
+            meta["output_top_logprobs"] = tops
+    if m.HasField("timings"):
+        meta["timings"] = MessageToDict(m.timings, preserving_proto_field_name=True)
+    out: dict[str, Any] = {"text": sample.text, "output_ids": list(sample.output_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def _n(item: _Item) -> int:
+    sp = item.req.sampling_params
+    return sp.n if sp.HasField("n") and sp.n > 0 else 1
+
+
+async def _stream_events(items: list[_Item], streams: list[AsyncIterator[pb.GenerateResponse]],
+                         indexed: bool) -> AsyncIterator[dict[str, Any]]:
+    """SGLang's stream: each event carries the cumulative text and ids of one sample."""
+    samples: dict[tuple[int, int], Sample] = {}
+    gen = merge(streams)
+    try:
+        async for pi, msg in gen:
+            s = samples.setdefault((pi, msg.index), Sample(msg.index))
+            s.absorb(msg)
+            if not (msg.text or msg.output_ids or msg.finished):
+                continue
+            index = sum(_n(it) for it in items[:pi]) + msg.index
+            yield _output(items[pi], s, index if indexed else None)
+    finally:
+        await gen.aclose()
+
+
+@router.post("/generate", responses={
+    **ERRORS, 200: {"content": STREAM_DOC, "description": "an output, a list of outputs, or SSE events"}})
+async def generate(body: GenerateReqInput, request: Request) -> Any:
+    state = get_state(request)
+    if body.model:
+        await state.check_model(body.model)
+    items, is_batch = _items(body)
+    indexed = is_batch or any(_n(it) > 1 for it in items)
+    for it in items:
+        log.info("rid=%s generate stream=%s", it.req.rid, body.stream)
+    streams = [state.backend.generate(it.req) for it in items]
+    if body.stream:
+        events = await cancel_on_disconnect(request, prime(_stream_events(items, streams, indexed)))
+        return sse_response(events, items[0].req.rid)
+    results = await cancel_on_disconnect(request, collect(streams))
+    outputs = [_output(items[pi], samples[j], None) for pi, samples in enumerate(results) for j in sorted(samples)]
+    return outputs if indexed else outputs[0]
+
+
+@router.get("/health", responses={503: {"model": ERRORS[503]["model"]}})
+async def health(request: Request) -> Response:
+    """200 only while the tokenizer reports SERVING on grpc.health."""
+    if not await get_state(request).backend.serving():
+        raise GatewayError(503, "tokenizer is not serving", headers={"Retry-After": "1"})
+    return Response(status_code=200)
+
+
+@router.get("/health_generate", responses={503: {"model": ERRORS[503]["model"]}})
+async def health_generate(request: Request) -> Response:
+    """Generate one token end to end (through tokenizer, scheduler and detokenizer)."""
+    req = pb.GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=pb.TokenIds(ids=[0]),
+                             sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    try:
+        await asyncio.wait_for(collect([get_state(request).backend.generate(req)]), HEALTH_GENERATE_TIMEOUT_S)
+    except (GatewayError, TimeoutError) as e:
+        raise GatewayError(503, f"health generation failed: {getattr(e, 'message', 'timeout')}",
+                           headers={"Retry-After": "1"}) from None
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info", responses=ERRORS)
+async def get_model_info(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    info = await state.backend.model_info()
+    return {"model_path": info.model_path, "tokenizer_path": info.model_path, "is_generation": info.is_generation,
+            "served_model_name": await state.served_name(), "max_context_length": info.max_context_length,
+            "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids),
+            "has_chat_template": info.has_chat_template, "preferred_sampling_params": None,
+            "weight_version": "default"}
+
+
+@router.get("/get_server_info", responses=ERRORS)
+async def get_server_info(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    load = MessageToDict(await state.backend.server_info(), preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
+    cfg = state.config
+    return {**load, "model_path": (await state.backend.model_info()).model_path,
+            "served_model_name": await state.served_name(),
+            "gateway": {"host": cfg.host, "port": cfg.port, "tokenizer": cfg.tokenizer,
+                        "max_body_bytes": cfg.max_body, "auth": bool(cfg.api_keys())}}
+
+
+@router.post("/flush_cache", responses=ERRORS)
+async def flush_cache(request: Request) -> PlainTextResponse:
+    resp = await get_state(request).backend.flush_cache()
+    if not resp.success:
+        raise GatewayError(400, f"Cache not flushed: {resp.message}", param=None)
+    return PlainTextResponse("Cache flushed.\n")
+
+
+router.add_api_route("/flush_cache", flush_cache, methods=["GET"], operation_id="flush_cache_get",
+                     responses=ERRORS, include_in_schema=True)
+
+
+@router.post("/abort_request", responses=ERRORS)
+async def abort_request(body: AbortReq, request: Request) -> JSONResponse:
+    if body.abort_all or not body.rid:
+        raise GatewayError(400, "rid: required (abort_all is not supported)", param="rid")
+    found = await get_state(request).backend.abort(body.rid)
+    log.info("rid=%s abort requested found=%s", body.rid, found)
+    return JSONResponse({"rid": body.rid, "found": found})

@@ -1,0 +1,142 @@
+"""Tokenizer messages -> OpenAI completion / chat responses and stream chunks.
+
+Choice index = prompt position * n + sample index, as OpenAI numbers choices for a list of
+prompts. Each choice gets exactly one finish_reason ("stop" or "length"); an "abort" finish is an
+error. The streamed deltas of a choice concatenate to exactly the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.convert import chat_logprobs, completion_logprobs, finish_error, matched
+from gateway.errors import GatewayError
+from gateway.protocol import (AssistantMessage, ChatChoice, ChatCompletionResponse, ChoiceLogprobs,
+                              CompletionChoice, CompletionLogprobs, CompletionResponse,
+                              PromptTokensDetails, Usage)
+from gateway.streams import Sample, merge
+from ringserve.v1 import api_pb2 as pb
+
+
+@dataclass
+class RenderSpec:
+    """What a response needs besides the tokenizer's messages."""
+
+    rid: str
+    model: str
+    n: int
+    chat: bool
+    param_map: dict[str, str]
+    logprobs: bool = False
+    echo: list[str] = field(default_factory=list)  # per prompt, for completions with echo
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class UsageCounter:
+    """prompt and cached tokens once per prompt, completion tokens summed over choices."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.completion: dict[tuple[int, int], int] = {}
+
+    def add(self, prompt_i: int, msg_index: int, meta: pb.MetaInfo) -> None:
+        self.prompt[prompt_i] = max(self.prompt.get(prompt_i, 0), meta.prompt_tokens)
+        self.cached[prompt_i] = max(self.cached.get(prompt_i, 0), meta.cached_tokens)
+        self.completion[(prompt_i, msg_index)] = max(self.completion.get((prompt_i, msg_index), 0),
+                                                     meta.completion_tokens)
+
+    def usage(self) -> Usage:
+        p, c = sum(self.prompt.values()), sum(self.completion.values())
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached.values())))
+
+
+def _finish(spec: RenderSpec, sample: Sample) -> str:
+    fr = sample.finish
+    if not sample.finished:
+        raise GatewayError(502, "the tokenizer ended the stream before the request finished", "server_error")
+    if fr.type not in ("stop", "length"):
+        raise finish_error(fr, spec.param_map)
+    return fr.type
+
+
+def render_full(spec: RenderSpec, results: list[dict[int, Sample]]) -> CompletionResponse | ChatCompletionResponse:
+    usage = UsageCounter()
+    completion_choices: list[CompletionChoice] = []
+    chat_choices: list[ChatChoice] = []
+    for pi, samples in enumerate(results):
+        if len(samples) != spec.n:
+            raise GatewayError(502, f"expected {spec.n} samples, the tokenizer sent {len(samples)}", "server_error")
+        for j in sorted(samples):
+            s = samples[j]
+            reason = _finish(spec, s)
+            usage.add(pi, j, s.meta)
+            index = pi * spec.n + j
+            if spec.chat:
+                lp = ChoiceLogprobs(**chat_logprobs(s.logprobs)) if spec.logprobs else None
+                chat_choices.append(ChatChoice(index=index, message=AssistantMessage(content=s.text),
+                                               logprobs=lp, finish_reason=reason, matched_stop=matched(s.finish)))
+            else:
+                echo = spec.echo[pi] if spec.echo else ""
+                lp = CompletionLogprobs(**completion_logprobs(s.logprobs, len(echo))) if spec.logprobs else None
+                completion_choices.append(CompletionChoice(index=index, text=echo + s.text, logprobs=lp,
+                                                           finish_reason=reason, matched_stop=matched(s.finish)))
+    if spec.chat:
+        return ChatCompletionResponse(id=spec.rid, created=spec.created, model=spec.model,
+                                      choices=chat_choices, usage=usage.usage())
+    return CompletionResponse(id=spec.rid, created=spec.created, model=spec.model,
+                              choices=completion_choices, usage=usage.usage())
+
+
+async def render_stream(spec: RenderSpec,
+                        streams: list[AsyncIterator[pb.GenerateResponse]]) -> AsyncIterator[dict[str, Any]]:
+    """One chunk per tokenizer message (nothing is sent before the first message arrives)."""
+    usage = UsageCounter()
+    started: set[int] = set()
+    chars: dict[int, int] = {}  # characters sent per choice, for completions' text_offset
+    obj = "chat.completion.chunk" if spec.chat else "text_completion"
+    gen = merge(streams)
+    try:
+        async for pi, msg in gen:
+            fr = msg.meta_info.finish_reason
+            if msg.finished and fr.type not in ("stop", "length"):
+                raise finish_error(fr, spec.param_map)
+            usage.add(pi, msg.index, msg.meta_info)
+            index = pi * spec.n + msg.index
+            first = index not in started
+            started.add(index)
+            finish = fr.type if msg.finished else None
+            choice: dict[str, Any] = {"index": index}
+            if spec.chat:
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if msg.text or first:
+                    delta["content"] = msg.text
+                choice["delta"] = delta
+                choice["logprobs"] = chat_logprobs(list(msg.logprobs)) if spec.logprobs else None
+            else:
+                text = (spec.echo[pi] if spec.echo and first else "") + msg.text
+                offset = chars.get(index, 0)
+                start = offset + (len(text) - len(msg.text))
+                chars[index] = offset + len(text)
+                choice["text"] = text
+                choice["logprobs"] = completion_logprobs(list(msg.logprobs), start) if spec.logprobs else None
+            choice["finish_reason"] = finish
+            if finish is not None:
+                choice["matched_stop"] = matched(fr)
+            if not (first or msg.text or finish or msg.logprobs):
+                continue  # nothing new for the client (e.g. a counters-only message)
+            chunk = {"id": spec.rid, "object": obj, "created": spec.created, "model": spec.model,
+                     "choices": [choice]}
+            if spec.include_usage:
+                chunk["usage"] = None
+            yield chunk
+        if spec.include_usage:
+            yield {"id": spec.rid, "object": obj, "created": spec.created, "model": spec.model,
+                   "choices": [], "usage": usage.usage().model_dump()}
+    finally:
+        await gen.aclose()

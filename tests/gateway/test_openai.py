@@ -1,0 +1,134 @@
+"""The official openai client against a real gateway process over the fake tokenizer."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.gateway.fake_tokenizer import MODEL, FakeTokenizer
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_completion_plain(client: openai.OpenAI, fake: FakeTokenizer) -> None:
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=5, seed=3, temperature=0.5, top_p=0.9,
+                                  frequency_penalty=0.1, presence_penalty=0.2, user="u1",
+                                  extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.1, "min_tokens": 1})
+    assert r.choices[0].text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens == 1
+    assert r.usage.prompt_tokens_details.cached_tokens == 1
+    sp = fake.servicer.calls[-1].sampling_params
+    assert (sp.max_new_tokens, sp.seed, sp.ignore_eos, sp.top_k, sp.min_new_tokens) == (5, 3, True, 5, 1)
+    assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
+
+
+def test_completion_stream_equals_plain(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt=["a b", "c"], max_tokens=5, n=2, stop=[" the"])
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    for c in chunks[:-1]:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finishes.setdefault(ch.index, []).append(ch.finish_reason)
+    assert {c.index: c.text for c in full.choices} == texts
+    assert len(full.choices) == 4 and all(len(v) == 1 for v in finishes.values()) and len(finishes) == 4
+    assert {c.finish_reason for c in full.choices} == {"stop", "length"}
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.total_tokens == full.usage.total_tokens
+    assert full.usage.prompt_tokens == 3  # once per prompt, not per sample
+
+
+def test_completion_token_prompts_echo_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=[[5, 6], [7]], max_tokens=3, echo=True, logprobs=2)
+    assert r.choices[0].text.startswith("<5><6>") and r.choices[1].text.startswith("<7>")
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and len(lp.top_logprobs[0]) == 2
+    assert lp.text_offset[0] == len("<5><6>")
+
+
+def test_chat_plain_and_stream(client: openai.OpenAI, fake: FakeTokenizer) -> None:
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=4, logprobs=True,
+                                          top_logprobs=2)
+    assert fake.servicer.calls[-1].chat.messages[1].content == "hello there"
+    ch = full.choices[0]
+    assert ch.message.role == "assistant" and ch.finish_reason == "length"
+    assert len(ch.logprobs.content) == 4 and len(ch.logprobs.content[0].top_logprobs) == 2
+    assert ch.logprobs.content[0].bytes == list(ch.logprobs.content[0].token.encode())
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ch.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_chat_n_and_eos(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "EOS"}], n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "stop" for c in r.choices)
+    assert len({c.message.content for c in r.choices}) == 3
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 2048
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+@pytest.mark.parametrize("prompt,exc,param", [
+    ("ERR INVALID_ARGUMENT sampling_params.max_new_tokens: exceeds context", openai.BadRequestError, "max_tokens"),
+    ("ERR RESOURCE_EXHAUSTED queue full", openai.RateLimitError, None),
+    ("ERR UNAVAILABLE no scheduler", openai.InternalServerError, None),
+    ("ERR DEADLINE_EXCEEDED slow", openai.InternalServerError, None),
+    ("ERR NOT_FOUND no such model", openai.NotFoundError, None),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_backend_errors(client: openai.OpenAI, prompt: str, exc: type, param: str | None, stream: bool) -> None:
+    with pytest.raises(exc) as info:
+        r = client.completions.create(model=MODEL, prompt=prompt, stream=stream)
+        list(r) if stream else None
+    assert info.value.body["param"] == param if isinstance(info.value.body, dict) else True
+    if exc in (openai.RateLimitError,) or "UNAVAILABLE" in prompt:
+        assert info.value.response.headers.get("retry-after") == "1"
+    if "UNAVAILABLE" in prompt:
+        assert info.value.status_code == 503
+
+
+def test_request_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other-model", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", best_of=2)
+    assert e.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSG, temperature="hot")  # type: ignore[arg-type]
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.APIStatusError) as e:  # a clean abort is an error, never a finish_reason
+        client.completions.create(model=MODEL, prompt="ABORT")
+    assert e.value.status_code == 499
+
+
+def test_mid_stream_error_is_an_event(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, stream=True,
+                                            messages=[{"role": "user", "content": "MIDERR UNAVAILABLE gone"}])
+    got = []
+    with pytest.raises(openai.APIError) as e:
+        for c in stream:
+            got.append(c)
+    assert len(got) == 2 and "gone" in e.value.message
+
+
+def test_auth(gateway: str) -> None:
+    for key in ("wrong", ""):
+        bad = openai.OpenAI(base_url=gateway + "/v1", api_key=key or "x", max_retries=0,
+                            default_headers={} if key else {"Authorization": ""})
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
