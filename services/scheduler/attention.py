@@ -1,0 +1,137 @@
+"""Attention over the KV pool with torch SDPA (CPU and CUDA).
+
+Per forward pass, `init_forward_metadata` builds what every layer shares: the padded gather index of
+each request's KV slots and the mask. Each layer then writes its new K/V at `out_cache_loc` and
+attends over `req_to_token[row, :seq_len]`:
+
+- DECODE: one batched SDPA call. Queries of a KV head's group are laid out as that head's G "query
+  positions" ([B, Hkv, G, D]), so grouped-query attention needs no repeat of K/V.
+- EXTEND: queries padded to the longest new span ([B, Hq, Lq, D]) with a causal-after-prefix mask;
+  a single request without a cached prefix skips the pool gather and uses `is_causal`.
+
+The metadata tensors may be static buffers owned by the CUDA graph runner (see cuda_graph.py): the
+layer code only reads `self.metadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+@dataclass
+class SDPAMetadata:
+    is_decode: bool
+    out_cache_loc: torch.Tensor              # [T] int64 slots the new K/V go to
+    kv_index: torch.Tensor | None            # [B, Lkv] int64 slots to gather; None: attend to new K/V only
+    # DECODE [B, 1, 1, Lkv] / EXTEND [B, 1, Lq, Lkv] additive mask in the KV dtype: 0 = attend, -inf = not.
+    # Additive, not bool: CPU SDPA is ~1.6x faster with a float mask (measured, B=32, Lkv=210).
+    mask: torch.Tensor | None
+    q_pad_index: torch.Tensor | None = None  # EXTEND [T] int64: row of each token in the [B * Lq] padding
+    batch_size: int = 0
+    q_len: int = 1                           # Lq: longest new span
+
+
+class TorchSDPABackend:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
+                 num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None) -> None:
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv_pool = kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.device = kv_pool.device
+        self.metadata: SDPAMetadata | None = None
+
+    # ---- per forward pass ----
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        kv_len = max(batch.seq_lens_cpu)
+        if batch.mode == ForwardMode.DECODE:
+            self.metadata = SDPAMetadata(
+                is_decode=True, out_cache_loc=batch.out_cache_loc,
+                kv_index=self.req_to_token[batch.req_pool_indices, :kv_len],
+                mask=decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype), batch_size=bs)
+            return
+        if bs == 1 and batch.prefix_lens[0] == 0:
+            self.metadata = SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
+                                         mask=None, batch_size=1, q_len=batch.extend_lens[0])
+            return
+        q_len = max(batch.extend_lens)
+        # Token t of request b sits at row b * Lq + i of the padded queries (built on CPU: lists are there).
+        pad = [b * q_len + i for b, n in enumerate(batch.extend_lens) for i in range(n)]
+        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+        seq = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
+        i = torch.arange(q_len)[None, :, None]          # [1, Lq, 1]
+        j = torch.arange(kv_len)[None, None, :]         # [1, 1, Lkv]
+        # Query i of request b sees keys up to its own position (prefix + i) and never past seq_len, so
+        # padded queries (i >= extend_len) still see >= 1 key and SDPA gives no NaN rows.
+        mask = (j <= prefix[:, None, None] + i) & (j < seq[:, None, None])  # [B, Lq, Lkv]
+        self.metadata = SDPAMetadata(
+            is_decode=False, out_cache_loc=batch.out_cache_loc,
+            kv_index=self.req_to_token[batch.req_pool_indices, :kv_len],
+            mask=additive(mask[:, None].to(self.device, non_blocking=True), self.kv_pool.dtype),
+            q_pad_index=torch.tensor(pad, dtype=torch.int64).to(self.device, non_blocking=True),
+            batch_size=bs, q_len=q_len)
+
+    # ---- per layer ----
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
+        md = self.metadata
+        self.kv_pool.set_kv_buffer(layer_id, md.out_cache_loc, k, v)
+        if md.is_decode:
+            return self._decode(q, layer_id, md)
+        if md.kv_index is None:
+            # One request, nothing cached: attend to the new K/V directly.
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, scale=self.scaling, enable_gqa=self.group > 1)  # [1, Hq, T, D]
+            return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+        return self._extend(q, layer_id, md)
+
+    def _gather_kv(self, layer_id: int, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, kv_len = kv_index.shape
+        kb, vb = self.kv_pool.get_kv_buffer(layer_id)
+        flat = kv_index.reshape(-1)
+        shape = (bs, kv_len, self.num_kv_heads, self.head_dim)
+        k = kb.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, Lkv, D]
+        v = vb.index_select(0, flat).view(shape).transpose(1, 2)
+        return k, v
+
+    def _decode(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
+        bs = q.shape[0]
+        k, v = self._gather_kv(layer_id, md.kv_index)
+        q = q.view(bs, self.num_kv_heads, self.group, self.head_dim)  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=md.mask, scale=self.scaling)
+        return out.reshape(bs, -1)  # [B, Hq * D]
+
+    def _extend(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
+        bs, q_len = md.batch_size, md.q_len
+        k, v = self._gather_kv(layer_id, md.kv_index)
+        q_pad = q.new_zeros(bs * q_len, self.num_heads, self.head_dim)
+        q_pad[md.q_pad_index] = q
+        q_pad = q_pad.view(bs, q_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, Lq, D]
+        out = F.scaled_dot_product_attention(q_pad.to(k.dtype), k, v, attn_mask=md.mask, scale=self.scaling,
+                                             enable_gqa=self.group > 1)  # [B, Hq, Lq, D]
+        out = out.transpose(1, 2).reshape(bs * q_len, -1)
+        return out[md.q_pad_index]  # [T, Hq * D]
+
+
+def decode_mask(seq_lens: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1, Lkv] additive: key j of request b is attended iff j < seq_lens[b]."""
+    j = torch.arange(kv_len, device=seq_lens.device)
+    return additive((j[None, :] < seq_lens[:, None])[:, None, None, :], dtype)
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = attend) -> 0 / -inf in `dtype`."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))

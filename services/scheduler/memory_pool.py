@@ -1,0 +1,101 @@
+"""KV memory: which pool slots each request's positions use, and the per-layer K/V buffers.
+
+Two levels, as in SGLang:
+- `ReqToTokenPool`: one row per running request; `req_to_token[row, pos]` is the KV slot of `pos`.
+- `TokenToKVPool`: `size` token slots, each holding K and V for every layer. Slot 0 is reserved as a
+  dummy (padding rows of a CUDA-graph batch write there), so valid slots are 1..size.
+
+Allocation is a free list kept as a tensor on the pool's device: `alloc(n)` slices its head (no copy),
+`free` appends to a list that is merged only when an allocation needs it, so a decode step's
+`alloc(B)` and a finishing request's `free` are both a few microseconds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of KV slot indices, one per running request."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        # [size, max_context_len] int64 on device. Zero-filled: stale or unused entries always point at a
+        # valid slot, so a padded gather past a request's length stays in bounds (it is masked out).
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+        self._free_rows: list[int] = list(range(size - 1, -1, -1))  # pop() hands out row 0 first
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, idx: int) -> None:
+        if not 0 <= idx < self.size:
+            raise ValueError(f"row {idx} out of range [0, {self.size})")
+        self._free_rows.append(idx)
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size - 1, -1, -1))
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers of `size + 1` token slots (slot 0 is the never-allocated dummy)."""
+
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.size = size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size + 1, num_kv_heads, head_dim)
+        # num_layers x [size + 1, num_kv_heads, head_dim] dtype on device
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.clear()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def clear(self) -> None:
+        self._free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)  # [n_free]
+        self._released: list[torch.Tensor] = []
+        self._num_released = 0
+
+    def available_size(self) -> int:
+        return self._free_slots.numel() + self._num_released
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """[n] int64 slots on device, or None (and nothing allocated) when fewer than n are free."""
+        if n > self._free_slots.numel():
+            if n > self.available_size():
+                return None
+            self._merge_released()
+        out = self._free_slots[:n]
+        self._free_slots = self._free_slots[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self._released.append(slots.reshape(-1).to(device=self.device, dtype=torch.int64))
+        self._num_released += slots.numel()
+
+    def _merge_released(self) -> None:
+        self._free_slots = torch.cat([self._free_slots, *self._released])
+        self._released.clear()
+        self._num_released = 0
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """loc: [T] int64 slots; k, v: [T, num_kv_heads, head_dim]."""
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))

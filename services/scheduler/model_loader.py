@@ -1,0 +1,71 @@
+"""Find a model (local dir or hub id), read its config, and stream its safetensors weights.
+
+Only safetensors are read: no pickle-based `.bin` checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def resolve_model_path(model_path: str) -> Path:
+    """A local directory as is; otherwise a hub id downloaded (or found in the HF cache)."""
+    if os.path.isdir(model_path):
+        return Path(model_path)
+    from huggingface_hub import snapshot_download
+
+    logger.info("downloading %s from the hub", model_path)
+    return Path(snapshot_download(model_path, allow_patterns=_ALLOW_PATTERNS))
+
+
+def load_config(path: Path):
+    """The HF config (`transformers.PretrainedConfig`) of the model dir."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def load_eos_token_ids(path: Path, config) -> list[int]:
+    """EOS ids from generation_config.json (a list for chat models), else from config.json."""
+    eos = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (pickle checkpoints are not loaded)")
+    return files
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor of every shard, one shard open at a time."""
+    from safetensors import safe_open
+
+    files = safetensors_files(path)
+    for i, file in enumerate(files):
+        logger.info("loading weights: shard %d/%d %s", i + 1, len(files), file.name)
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,173 @@
+"""Loads the model, sizes and owns the KV pools, and runs forward passes (eager or CUDA graph)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from services.scheduler import model_loader
+from services.scheduler.attention import TorchSDPABackend
+from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+CPU_KV_CAP_BYTES = 1 << 30   # CPU default: at most 1 GiB of KV ...
+CPU_KV_RAM_FRACTION = 0.15   # ... and at most this share of available RAM (the machine is shared)
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, *, device: str | None = None, dtype: str = "auto",
+                 max_total_tokens: int | None = None, mem_fraction: float = 0.85,
+                 max_running_requests: int = 256, context_length: int | None = None,
+                 cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
+                 num_threads: int | None = None) -> None:
+        t0 = time.monotonic()
+        self.model_path = model_path
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = _resolve_dtype(dtype, self.device)
+        if num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
+
+        path = model_loader.resolve_model_path(model_path)
+        self.model_config = model_loader.load_config(path)
+        self.eos_token_ids = model_loader.load_eos_token_ids(path, self.model_config)
+        cfg = self.model_config
+        self.vocab_size = cfg.vocab_size
+        self.context_length = context_length or cfg.max_position_embeddings
+        logger.info("model config: %s, %d layers, hidden %d, vocab %d, context %d, %s on %s",
+                    cfg.architectures, cfg.num_hidden_layers, cfg.hidden_size, self.vocab_size,
+                    self.context_length, self.dtype, self.device)
+
+        self.model = self._load_model(path)
+        logger.info("weights loaded in %.1fs", time.monotonic() - t0)
+
+        attn = self.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.max_total_num_tokens = self._kv_budget(max_total_tokens, mem_fraction, max_running_requests)
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, self.context_length + 4, self.device)
+        self.token_to_kv_pool = TokenToKVPool(self.max_total_num_tokens, cfg.num_hidden_layers,
+                                              self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        logger.info("KV pool: %d tokens (%.1f MiB), %d request rows", self.max_total_num_tokens,
+                    self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 2**20,
+                    max_running_requests + 1)
+        self.attn_backend = self._make_attn_backend()
+
+        self.cuda_graph_runner = None
+        if self.device.type == "cuda" and not disable_cuda_graph and cuda_graph_max_bs > 0:
+            from services.scheduler.cuda_graph import CudaGraphRunner
+
+            t1 = time.monotonic()
+            self.cuda_graph_runner = CudaGraphRunner(self, cuda_graph_max_bs)
+            logger.info("CUDA graphs: captured bs up to %d in %.1fs", cuda_graph_max_bs, time.monotonic() - t1)
+        logger.info("model runner ready in %.1fs", time.monotonic() - t0)
+
+    # ---- setup ----
+
+    def _load_model(self, path) -> torch.nn.Module:
+        cls = get_model_class(self.model_config)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
+                model = cls(self.model_config, max_position=self.context_length)
+        finally:
+            torch.set_default_dtype(prev)
+        model = model.to_empty(device=self.device)
+        model.load_weights(model_loader.iter_weights(path))
+        model.init_rotary(self.device, self.dtype)
+        return model.eval()
+
+    def _make_attn_backend(self) -> TorchSDPABackend:
+        # torch SDPA on CPU and CUDA alike (a flashinfer backend is not written yet; see attention.py).
+        logger.info("attention backend: torch SDPA")
+        return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
+                                self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def _kv_budget(self, max_total_tokens: int | None, mem_fraction: float, max_running: int) -> int:
+        if max_total_tokens is not None:
+            return int(max_total_tokens)
+        per_token = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * mem_fraction
+        else:
+            budget = min(CPU_KV_CAP_BYTES, CPU_KV_RAM_FRACTION * _available_ram_bytes())
+        tokens = int(budget // per_token)
+        # More than every running request at full context is never used.
+        tokens = min(tokens, max_running * self.context_length)
+        if tokens < self.context_length:
+            logger.warning("KV budget (%d tokens) is below the context length %d", tokens, self.context_length)
+        return max(tokens, 16)
+
+    # ---- forward ----
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] float32 of each request's last new token."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
+            return self.cuda_graph_runner.replay(batch)
+        return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(batch)
+        if batch.mode == ForwardMode.DECODE:
+            last_index = None  # one token per request: every row is a last token
+        else:
+            ends, total = [], 0
+            for n in batch.extend_lens:
+                total += n
+                ends.append(total - 1)
+            last_index = None if total == len(ends) else torch.tensor(ends, dtype=torch.int64).to(self.device)
+        return self.model(batch.input_ids, batch.positions, self.attn_backend, last_index)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One tiny prefill and decode through the pools (then freed), so the first request pays no setup."""
+        row = self.req_to_token_pool.alloc()
+        slots = self.token_to_kv_pool.alloc(2)
+        try:
+            self.req_to_token_pool.req_to_token[row, :2] = slots
+            ids = torch.tensor([0, 0], dtype=torch.int64, device=self.device)
+            rows = torch.tensor([row], dtype=torch.int64, device=self.device)
+            self.forward(ForwardBatch(
+                ForwardMode.EXTEND, ids[:1], torch.zeros(1, dtype=torch.int64, device=self.device), slots[:1],
+                rows, torch.tensor([1], device=self.device), [1], [0], [1]))
+            self.forward(ForwardBatch(
+                ForwardMode.DECODE, ids[1:], torch.ones(1, dtype=torch.int64, device=self.device), slots[1:],
+                rows, torch.tensor([2], device=self.device), [1], [1], [2]))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.token_to_kv_pool.free(slots)
+            self.req_to_token_pool.free(row)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

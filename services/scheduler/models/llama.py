@@ -1,0 +1,155 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over packed tokens and the KV pool.
+
+Tokens of all requests are packed as [T, hidden] for every linear layer (no padding); only attention
+knows about requests, through the attention backend. The model keeps no cache of its own.
+q/k/v and gate/up are fused into one matmul each at load time (fewer kernel launches per layer).
+Variants: Qwen2 has q/k/v bias; Qwen3 has RMSNorm on each head of q and k (`q_norm`, `k_norm`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.scheduler.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+                                bias=bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                attn) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        qk = rope.apply(qk, cos_sin)  # q and k rotated in one pass: [T, Hq + Hkv, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        return self.o_proj(attn.forward(q, k, v, self.layer_id))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF name -> (our fused parameter, shard index); shards are stacked along dim 0 in this order.
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.max_position = max_position
+        self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def init_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.rotary = RotaryEmbedding(self.config, self.layers[0].self_attn.head_dim, self.max_position,
+                                      device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
+                last_index: torch.Tensor | None) -> torch.Tensor:
+        """input_ids, positions: [T] int64. last_index: [B] rows of T whose logits are wanted (None: all).
+        Returns logits [B, V] float32."""
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos_sin = self.rotary.cos_sin(positions)
+        for layer in self.layers:
+            x = layer(x, self.rotary, cos_sin, attn)
+        if last_index is not None:
+            x = x.index_select(0, last_index)  # [B, H]: norm and lm_head only where logits are used
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, weight).float()  # [B, V] float32
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        """weights: iterable of (HF name, tensor). Fused q/k/v and gate/up are filled shard by shard."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for hf, (ours, shard) in self._FUSED.items():
+                if f".{hf}." in name:
+                    name = name.replace(f".{hf}.", f".{ours}.")
+                    param = params[name]
+                    sizes = self._shard_sizes(ours)
+                    start = sum(sizes[:shard])
+                    param.data[start:start + sizes[shard]].copy_(tensor)
+                    loaded.add(f"{name}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"unexpected weight {name}")
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+        missing = [n for n in params if n not in loaded and not any(f"{n}#" in x for x in loaded)]
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        attn = self.layers[0].self_attn
+        if fused == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config.intermediate_size] * 2

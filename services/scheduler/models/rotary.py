@@ -1,0 +1,59 @@
+"""Rotary position embedding (HF "rotate half" layout) from a precomputed cos/sin table.
+
+inv_freq comes from transformers' own ROPE_INIT_FUNCTIONS (llama3, yarn, linear, ...) so every scaled
+variant a config names matches transformers exactly; only "default" is computed here. Seq-length
+dependent variants ("dynamic", "longrope") use their initial frequencies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_parameters(config) -> dict:
+    """transformers 5 exposes `config.rope_parameters`; older configs carry rope_theta/rope_scaling."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """([rot_dim / 2] float32 inverse frequencies, attention scaling applied to cos/sin)."""
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    rot_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    base = float(params.get("rope_theta", 10000.0))
+    return 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)), 1.0
+
+
+class RotaryEmbedding:
+    def __init__(self, config, head_dim: int, max_position: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        inv_freq, scaling = compute_inv_freq(config, head_dim)
+        self.rot_dim = 2 * inv_freq.numel()
+        # Computed in float32 as transformers does, then cast to the model dtype (as HF casts cos/sin).
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, rot/2]
+        self.cos = (freqs.cos() * scaling).to(device=device, dtype=dtype)
+        self.sin = (freqs.sin() * scaling).to(device=device, dtype=dtype)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, 1, rot/2], shared by every layer of the pass."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, head_dim]; rotates the first rot_dim dims of every head."""
+        cos, sin = cos_sin
+        half = self.rot_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rot_dim]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.rot_dim == x.shape[-1]:
+            return rotated
+        return torch.cat((rotated, x[..., self.rot_dim:]), dim=-1)

@@ -1,0 +1,232 @@
+"""Sampling parameters, their per-step batch tensors, and `sample`.
+
+Order of operations on the logits of one step ([B, V] float32):
+1. penalties: repetition (CTRL-style, over prompt + output), frequency/presence (over output);
+2. min_new_tokens: EOS and stop ids masked while the output is shorter than the minimum;
+3. greedy rows: argmax; other rows: temperature, then top_k / top_p / min_p (all measured on the
+   full post-temperature distribution, as SGLang does), then a draw.
+Seeded requests draw with their own torch.Generator, row by row, so a seed gives the same tokens
+whatever the batch. Logprobs are taken from the raw logits (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    seed: int | None = None
+    no_stop_trim: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @classmethod
+    def from_pb(cls, pb) -> SamplingParams:
+        """From `ringserve.v1.common_pb2.SamplingParams`: an unset optional field takes the default."""
+        d = cls()
+
+        def opt(name: str, default):
+            return getattr(pb, name) if pb.HasField(name) else default
+
+        top_k = int(opt("top_k", d.top_k))
+        return cls(
+            temperature=float(opt("temperature", d.temperature)), top_p=float(opt("top_p", d.top_p)),
+            top_k=-1 if top_k == 0 else top_k, min_p=float(pb.min_p),
+            frequency_penalty=float(pb.frequency_penalty), presence_penalty=float(pb.presence_penalty),
+            repetition_penalty=float(opt("repetition_penalty", d.repetition_penalty)),
+            max_new_tokens=int(opt("max_new_tokens", d.max_new_tokens)), min_new_tokens=int(pb.min_new_tokens),
+            stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=bool(pb.ignore_eos),
+            skip_special_tokens=bool(opt("skip_special_tokens", d.skip_special_tokens)),
+            spaces_between_special_tokens=bool(opt("spaces_between_special_tokens",
+                                                   d.spaces_between_special_tokens)),
+            seed=int(pb.seed) if pb.HasField("seed") else None, no_stop_trim=bool(pb.no_stop_trim))
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative int64 seeds map to a valid uint64
+    return g
+
+
+class SampleOutput(NamedTuple):
+    next_token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass
+class SamplingBatchInfo:
+    """One step's sampling state. `fast_greedy`: nothing but argmax is needed (nothing else is built)."""
+
+    fast_greedy: bool
+    batch_size: int
+    greedy: list[bool] | None = None
+    generators: list[torch.Generator | None] | None = None
+    temperatures: torch.Tensor | None = None     # [B, 1] float32 (1.0 on greedy rows)
+    top_ks: torch.Tensor | None = None           # [B] int64 (V where off), or None when no row uses top_k
+    top_ps: torch.Tensor | None = None           # [B] float32, or None
+    min_ps: torch.Tensor | None = None           # [B] float32, or None
+    rep_penalties: torch.Tensor | None = None    # [B, 1] float32, or None
+    rep_mask: torch.Tensor | None = None         # [B, V] bool: token in prompt or output
+    freq_penalties: torch.Tensor | None = None   # [B, 1] float32, or None
+    pres_penalties: torch.Tensor | None = None   # [B, 1] float32
+    counts: torch.Tensor | None = None           # [B, V] float32: occurrences in the output
+    min_token_mask: list[tuple[int, list[int]]] | None = None  # (row, ids to mask)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              output_ids: list[list[int]], prompt_ids: list[list[int]], stop_ids_for_min_tokens: list[set[int]],
+              vocab_size: int, device: torch.device | str) -> SamplingBatchInfo:
+        bs = len(params)
+        min_mask = [(i, sorted(t for t in stop_ids_for_min_tokens[i] if 0 <= t < vocab_size))
+                    for i, p in enumerate(params) if len(output_ids[i]) < p.min_new_tokens]
+        min_mask = [(i, ids) for i, ids in min_mask if ids]
+        penalized = [p.has_penalties for p in params]
+        greedy = [p.is_greedy for p in params]
+        if all(greedy) and not any(penalized) and not min_mask:
+            return cls(fast_greedy=True, batch_size=bs)
+
+        info = cls(fast_greedy=False, batch_size=bs, greedy=greedy, generators=list(generators),
+                   min_token_mask=min_mask or None)
+
+        def col(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32).to(device)[:, None]
+
+        info.temperatures = col([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+        if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
+            info.top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]).to(device)
+        if any(p.top_p < 1.0 for p in params):
+            info.top_ps = col([p.top_p for p in params])[:, 0]
+        if any(p.min_p > 0.0 for p in params):
+            info.min_ps = col([p.min_p for p in params])[:, 0]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            info.rep_penalties = col([p.repetition_penalty for p in params])
+            mask = torch.zeros(bs, vocab_size, dtype=torch.bool)
+            for i, p in enumerate(params):
+                if p.repetition_penalty != 1.0:
+                    mask[i, torch.tensor(prompt_ids[i] + output_ids[i], dtype=torch.int64)] = True
+            info.rep_mask = mask.to(device)
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            info.freq_penalties = col([p.frequency_penalty for p in params])
+            info.pres_penalties = col([p.presence_penalty for p in params])
+            counts = torch.zeros(bs, vocab_size, dtype=torch.float32)
+            for i, out in enumerate(output_ids):
+                if out:
+                    counts[i].index_add_(0, torch.tensor(out, dtype=torch.int64), torch.ones(len(out)))
+            info.counts = counts.to(device)
+        return info
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """logits: [B, V] float32 (not modified). Penalties, then the min_new_tokens mask."""
+    raw = logits
+    if info.rep_penalties is not None:
+        penalized = torch.where(logits > 0, logits / info.rep_penalties, logits * info.rep_penalties)
+        logits = torch.where(info.rep_mask, penalized, logits)
+    if info.counts is not None:
+        logits = logits - (info.freq_penalties * info.counts + info.pres_penalties * (info.counts > 0).float())
+    if info.min_token_mask:
+        if logits is raw:
+            logits = logits.clone()
+        for row, ids in info.min_token_mask:
+            logits[row, ids] = float("-inf")
+    return logits
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] float32 after temperature -> unnormalized probs with top_k/top_p/min_p cut to 0."""
+    top_ks = info.top_ks[rows] if info.top_ks is not None else None
+    top_ps = info.top_ps[rows] if info.top_ps is not None else None
+    if top_ks is None and top_ps is None:
+        if info.min_ps is not None:
+            probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * info.min_ps[rows, None], 0.0)
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [R, V]
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if top_ps is not None:
+        # Keep the smallest head whose mass reaches top_p: drop a token once the mass before it does.
+        drop |= (sorted_probs.cumsum(-1) - sorted_probs) > top_ps[:, None]
+    if top_ks is not None:
+        drop |= torch.arange(probs.shape[-1], device=probs.device)[None, :] >= top_ks[:, None]
+    if info.min_ps is not None:
+        drop |= sorted_probs < sorted_probs[:, :1] * info.min_ps[rows, None]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of probs [R, V]; seeded rows use their own generator, the rest one batched call."""
+    out = [0] * probs.shape[0]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        picked = torch.multinomial(probs[unseeded], 1)[:, 0].tolist() if len(unseeded) < len(out) \
+            else torch.multinomial(probs, 1)[:, 0].tolist()
+        for i, t in zip(unseeded, picked):
+            out[i] = t
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = int(torch.multinomial(probs[i], 1, generator=g))
+    return out
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[bool],
+           top_logprobs_num: list[int]) -> SampleOutput:
+    """logits: [B, V] float32 raw model output."""
+    bs = logits.shape[0]
+    if info.fast_greedy:
+        next_ids = logits.argmax(-1).tolist()
+    else:
+        next_ids = [0] * bs
+        logits_p = apply_penalties(logits, info)
+        greedy_rows = [i for i in range(bs) if info.greedy[i]]
+        if greedy_rows:
+            for i, t in zip(greedy_rows, logits_p[greedy_rows].argmax(-1).tolist()):
+                next_ids[i] = t
+        rand_rows = [i for i in range(bs) if not info.greedy[i]]
+        if rand_rows:
+            rows = torch.tensor(rand_rows, device=logits.device)
+            probs = torch.softmax(logits_p[rows] / info.temperatures[rows], dim=-1)  # [R, V]
+            probs = filter_probs(probs, info, rows)
+            for i, t in zip(rand_rows, draw(probs, [info.generators[i] for i in rand_rows])):
+                next_ids[i] = t
+    logprobs: list[float | None] = [None] * bs
+    tops: list[list[tuple[int, float]] | None] = [None] * bs
+    want = [i for i in range(bs) if return_logprob[i] or top_logprobs_num[i] > 0]
+    if want:
+        lp = torch.log_softmax(logits[want].float(), dim=-1)  # [W, V] from the raw logits
+        chosen = lp.gather(1, torch.tensor([next_ids[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
+        k = max(top_logprobs_num[i] for i in want)
+        top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (None, None))
+        for j, i in enumerate(want):
+            if return_logprob[i]:
+                logprobs[i] = chosen[j]
+            n = top_logprobs_num[i]
+            if n > 0:
+                tops[i] = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+    return SampleOutput(next_ids, logprobs, tops)

@@ -1,0 +1,174 @@
+"""ModelRunner through the KV pools vs transformers on the same weights (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.model_runner import ModelRunner
+
+ATOL = 1e-4
+
+
+class Seq:
+    """The bookkeeping S2's scheduler does, reduced to what a test needs."""
+
+    def __init__(self, runner: ModelRunner, ids: list[int]) -> None:
+        self.runner = runner
+        self.ids = list(ids)
+        self.row = runner.req_to_token_pool.alloc()
+        self.cached = 0  # tokens whose K/V are in the pool
+
+    def reserve(self, n: int) -> torch.Tensor:
+        slots = self.runner.token_to_kv_pool.alloc(n)
+        assert slots is not None
+        self.runner.req_to_token_pool.req_to_token[self.row, self.cached:self.cached + n] = slots
+        return slots
+
+
+def make_batch(seqs: list[Seq], mode: ForwardMode, new: list[int]) -> ForwardBatch:
+    """`new[i]` = number of seqs[i].ids not yet cached that run in this pass."""
+    ids, pos, locs = [], [], []
+    for s, n in zip(seqs, new):
+        locs.append(s.reserve(n))
+        ids += s.ids[s.cached:s.cached + n]
+        pos += range(s.cached, s.cached + n)
+    prefix = [s.cached for s in seqs]
+    seq_lens = [p + n for p, n in zip(prefix, new)]
+    for s, n in zip(seqs, new):
+        s.cached += n
+    return ForwardBatch(
+        mode=mode, input_ids=torch.tensor(ids), positions=torch.tensor(pos), out_cache_loc=torch.cat(locs),
+        req_pool_indices=torch.tensor([s.row for s in seqs]), seq_lens=torch.tensor(seq_lens),
+        extend_lens=list(new), prefix_lens=prefix, seq_lens_cpu=seq_lens)
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: str) -> ModelRunner:
+    return ModelRunner(model_dir, device="cpu", max_total_tokens=4096, max_running_requests=16)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_last_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_attributes(runner: ModelRunner) -> None:
+    assert runner.vocab_size == 4096 and runner.context_length == 2048
+    assert runner.dtype == torch.float32 and runner.device.type == "cpu"
+    assert runner.max_total_num_tokens == 4096 == runner.token_to_kv_pool.size
+    assert len(runner.eos_token_ids) == 2
+    runner.warmup()
+    assert runner.token_to_kv_pool.available_size() == 4096
+
+
+def test_extend_prefix_and_decode_match_transformers(runner: ModelRunner, hf_model) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (17, 5, 40)]
+    seqs = [Seq(runner, p) for p in prompts]
+    free0 = runner.token_to_kv_pool.available_size()
+
+    # 1. Mixed-length prefill, but the third request only prefills 30 of its 40 tokens (a chunk).
+    logits = runner.forward(make_batch(seqs, ForwardMode.EXTEND, [17, 5, 30]))
+    assert logits.shape == (3, 4096) and logits.dtype == torch.float32
+    for i, ids in enumerate([prompts[0], prompts[1], prompts[2][:30]]):
+        torch.testing.assert_close(logits[i], hf_last_logits(hf_model, ids), atol=ATOL, rtol=0)
+
+    # 2. EXTEND after a cached prefix: the rest of request 2, and new text appended to request 0.
+    seqs[0].ids += torch.randint(0, 4096, (6,), generator=g).tolist()
+    logits = runner.forward(make_batch([seqs[2], seqs[0]], ForwardMode.EXTEND, [10, 6]))
+    torch.testing.assert_close(logits[0], hf_last_logits(hf_model, seqs[2].ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], hf_last_logits(hf_model, seqs[0].ids), atol=ATOL, rtol=0)
+
+    # 3. Several decode steps of all three, feeding back the argmax.
+    next_ids = [int(hf_last_logits(hf_model, s.ids).argmax()) for s in seqs]
+    for _ in range(5):
+        for s, t in zip(seqs, next_ids):
+            s.ids.append(t)
+        logits = runner.forward(make_batch(seqs, ForwardMode.DECODE, [1, 1, 1]))
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(logits[i], hf_last_logits(hf_model, s.ids), atol=ATOL, rtol=0)
+        next_ids = logits.argmax(-1).tolist()
+
+    used = sum(s.cached for s in seqs)
+    assert runner.token_to_kv_pool.available_size() == free0 - used
+    for s in seqs:
+        runner.token_to_kv_pool.free(runner.req_to_token_pool.req_to_token[s.row, :s.cached])
+        runner.req_to_token_pool.free(s.row)
+    assert runner.token_to_kv_pool.available_size() == free0
+
+
+def test_greedy_30_steps_match_generate(runner: ModelRunner, hf_model, model_dir: str) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    texts = ["def main():\n    return", "你好，世界！今天", "import os\nimport sys\n", "👍🏽 café ñ"]
+    prompts = [tok.encode(t).ids for t in texts]
+    seqs = [Seq(runner, p) for p in prompts]
+    logits = runner.forward(make_batch(seqs, ForwardMode.EXTEND, [len(p) for p in prompts]))
+    outs: list[list[int]] = [[] for _ in seqs]
+    for _ in range(30):
+        nxt = logits.argmax(-1).tolist()
+        for s, o, t in zip(seqs, outs, nxt):
+            s.ids.append(t)
+            o.append(t)
+        logits = runner.forward(make_batch(seqs, ForwardMode.DECODE, [1] * len(seqs)))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+        assert o == ref[0, len(p):].tolist()
+    for s in seqs:
+        runner.token_to_kv_pool.free(runner.req_to_token_pool.req_to_token[s.row, :s.cached])
+        runner.req_to_token_pool.free(s.row)
+
+
+VARIANTS = {
+    "llama3_rope_tied": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64}),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], head_dim=24),
+    "qwen2_bias": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    "qwen3_qknorm": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+    "yarn": dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_architecture_variants(name: str, tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(VARIANTS[name])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, **kw)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # random biases and norms, so that a missing one changes the logits
+        for n, p in hf.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    r = ModelRunner(str(tmp_path), device="cpu", max_total_tokens=512, max_running_requests=4)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (90, 7)]  # 90 > yarn/llama3 original length
+    seqs = [Seq(r, p) for p in prompts]
+    r.forward(make_batch(seqs, ForwardMode.EXTEND, [60, 7]))
+    logits = r.forward(make_batch(seqs[:1], ForwardMode.EXTEND, [30]))
+    torch.testing.assert_close(logits[0], hf_last_logits(hf, prompts[0]), atol=ATOL, rtol=0)
+    for s in seqs:
+        s.ids.append(3)
+    logits = r.forward(make_batch(seqs, ForwardMode.DECODE, [1, 1]))
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(logits[i], hf_last_logits(hf, s.ids), atol=ATOL, rtol=0)
