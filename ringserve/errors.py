@@ -6,6 +6,7 @@ Anything else that escapes a handler becomes INTERNAL with the exception logged 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -115,6 +116,10 @@ def _wrap_unary(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
 
 
 def _wrap_stream(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(fn):
+        # A streaming handler written as a coroutine that calls context.write (e.g. health Watch).
+        return _wrap_unary(fn, method)
+
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             async for item in fn(request, context):

@@ -75,7 +75,11 @@ class GrpcService:
         await self.set_serving(False)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+            try:
+                loop.add_signal_handler(sig, self.stopping.set)
+            except (RuntimeError, ValueError):
+                pass  # not the main thread (a service started in-process by a test): no signals
+
         log.info("%s gRPC listening on %s (port %d)", self.name, self.address, self.port)
         return self.port
 

@@ -1,0 +1,25 @@
+"""`python -m services.tokenizer`: the public InferenceService (what the container runs)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ringserve.logs import setup_logging
+
+from .config import TokenizerConfig, load_config
+from .server import TokenizerServer
+
+
+async def run(cfg: TokenizerConfig) -> None:
+    # Built inside the running loop: grpc.aio servers and channels bind to the loop that creates them.
+    await TokenizerServer(cfg).serve()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(argv)
+    setup_logging("tokenizer", cfg.log_level)
+    asyncio.run(run(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Subscribe(owner) to every detokenizer and feed its TextDeltas to the manager.
+
+A subscription counts as up once the stream is established (the detokenizer's initial metadata,
+or the channel READY with the call open). Each (re)subscribe makes the schedulers re-send this
+owner's requests from offset 0; ReqState drops what it already has. While no subscription is up,
+requests stay alive for `grace_s`; after that they fail with UNAVAILABLE (`on_grace_expired`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from ringserve.grpc_server import insecure_channel
+from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
+
+from .io_struct import Finish, Logprob, TextDeltaIn
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 2.0
+TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
+
+
+def finish_from_pb(pb: common_pb2.FinishReason) -> Finish:
+    which = pb.WhichOneof("matched")
+    return Finish(type=pb.type or "stop",
+                  matched_token=pb.matched_token if which == "matched_token" else None,
+                  matched_str=pb.matched_str if which == "matched_str" else None,
+                  message=pb.message, status_code=pb.status_code)
+
+
+def logprob_from_pb(pb: common_pb2.TokenLogprob) -> Logprob:
+    return Logprob(token_id=pb.token_id, logprob=pb.logprob,
+                   top=tuple((t.token_id, t.logprob) for t in pb.top_logprobs))
+
+
+def delta_from_pb(pb: detokenizer_pb2.TextDelta) -> TextDeltaIn:
+    timings = None
+    if pb.HasField("timings"):
+        timings = {name: getattr(pb.timings, name) for name in TIMING_FIELDS if getattr(pb.timings, name)}
+    return TextDeltaIn(rid=pb.rid, token_offset=pb.token_offset, ids=list(pb.ids), text_offset=pb.text_offset,
+                       text=pb.text, logprobs=[logprob_from_pb(lp) for lp in pb.logprobs],
+                       finish=finish_from_pb(pb.finish) if pb.HasField("finish") else None,
+                       prompt_tokens=pb.prompt_tokens, cached_tokens=pb.cached_tokens, timings=timings)
+
+
+class DetokenizerSubscriber:
+    def __init__(self, addresses: list[str], owner: str, on_deltas: Callable[[list[TextDeltaIn]], None],
+                 on_change: Callable[[], None], on_grace_expired: Callable[[], None], grace_s: float) -> None:
+        self.owner = owner
+        self.on_deltas = on_deltas
+        self.on_change = on_change
+        self.on_grace_expired = on_grace_expired
+        self.grace_s = grace_s
+        self.channels = {a: insecure_channel(a) for a in addresses}
+        self.up: dict[str, bool] = {a: False for a in addresses}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._grace: asyncio.TimerHandle | None = None
+
+    def all_connected(self) -> bool:
+        return all(self.up.values())
+
+    def any_connected(self) -> bool:
+        return any(self.up.values())
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run(a), name=f"detokenizer {a}") for a in self.channels]
+        self._arm_grace()
+
+    async def close(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.channels.values()))
+
+    def _set_up(self, address: str, up: bool) -> None:
+        if self.up[address] == up:
+            return
+        self.up[address] = up
+        log.info("detokenizer %s %s (owner %s)", address, "subscribed" if up else "disconnected", self.owner)
+        self._arm_grace()
+        self.on_change()
+
+    def _arm_grace(self) -> None:
+        """A timer, not a poll: it runs only if no subscription comes back within the grace period."""
+        if self.any_connected():
+            if self._grace is not None:
+                self._grace.cancel()
+                self._grace = None
+        elif self._grace is None:
+            self._grace = asyncio.get_running_loop().call_later(self.grace_s, self._expire)
+
+    def _expire(self) -> None:
+        self._grace = None
+        log.warning("no detokenizer for %.0fs: failing in-flight requests", self.grace_s)
+        self.on_grace_expired()
+        self._arm_grace()
+
+    async def _run(self, address: str) -> None:
+        backoff = BACKOFF_MIN_S
+        stub = detokenizer_pb2_grpc.DetokenizerServiceStub(self.channels[address])
+        while True:
+            started = time.monotonic()
+            try:
+                await self._subscribe(address, stub)
+                reason = "stream ended"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+            except Exception as e:  # noqa: BLE001 - keep resubscribing whatever broke
+                log.exception("detokenizer %s subscription failed", address)
+                reason = repr(e)
+            finally:
+                self._set_up(address, False)
+            if time.monotonic() - started > 5:
+                backoff = BACKOFF_MIN_S
+            log.debug("detokenizer %s: %s; retry in %.1fs", address, reason, backoff)
+            await asyncio.sleep(backoff)  # resubscribe backoff, not a readiness wait
+            backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    async def _subscribe(self, address: str, stub: detokenizer_pb2_grpc.DetokenizerServiceStub) -> None:
+        channel = self.channels[address]
+        call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(owner=self.owner))
+        try:
+            # The aio server may hold its headers until the first message; a READY channel with the
+            # call still open is enough to say the subscription is in place.
+            metadata = asyncio.ensure_future(call.initial_metadata())
+            metadata.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+            ready = asyncio.ensure_future(channel.channel_ready())
+            try:
+                await asyncio.wait([metadata, ready], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+            if call.done():
+                async for _ in call:  # raises the call's error
+                    pass
+                return
+            self._set_up(address, True)
+            async for resp in call:
+                if resp.deltas:
+                    self.on_deltas([delta_from_pb(d) for d in resp.deltas])
+        finally:
+            call.cancel()

@@ -1,0 +1,162 @@
+"""Plain dataclasses the tokenizer core works with; the servicer and the clients convert protobuf at the edge.
+
+Named after SGLang's io_struct: what comes in (GenerateInput), what goes to a scheduler
+(TokenizedReq), what comes back from the detokenizer (TextDeltaIn) and what goes out (GenerateOutput).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True)
+class SamplingInput:
+    """Sampling parameters as the client sent them; None means "unset, take the default"."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    seed: int | None = None
+    n: int | None = None
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling parameters of one internal request, every default resolved."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    seed: int | None = None
+    no_stop_trim: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One Generate call. Exactly one of text / input_ids / chat should be set (validation checks)."""
+
+    rid: str = ""
+    text: str | None = None
+    input_ids: list[int] | None = None
+    chat: ChatInput | None = None
+    sampling: SamplingInput = field(default_factory=SamplingInput)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_timings: bool = False
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class TokenizedReq:
+    """One internal request (one sample) as sent to a scheduler."""
+
+    rid: str
+    owner: str
+    input_ids: list[int]
+    sampling: Sampling
+    stream: bool
+    return_logprob: bool
+    top_logprobs_num: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Why a request ended (FinishReason)."""
+
+    type: str
+    matched_token: int | None = None
+    matched_str: str | None = None
+    message: str = ""
+    status_code: int = 0
+
+
+@dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    token: str = ""
+    top_tokens: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextDeltaIn:
+    """A TextDelta from the detokenizer."""
+
+    rid: str
+    token_offset: int
+    ids: list[int]
+    text_offset: int
+    text: str
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    timings: dict[str, float] | None = None
+
+
+@dataclass
+class GenerateOutput:
+    """One message of a Generate stream."""
+
+    rid: str
+    index: int
+    text: str
+    output_ids: list[int]
+    logprobs: list[Logprob]
+    finished: bool
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish: Finish | None = None
+    e2e_latency: float = 0.0
+    timings: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """A scheduler's last LoadReport, as the tokenizer knows it."""
+
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    num_used_tokens: int = 0
+    max_total_num_tokens: int = 0
+    token_usage: float = 0.0
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_running_reqs + self.num_queue_reqs

@@ -1,0 +1,120 @@
+"""ReqState: what the tokenizer holds for one live internal request (SGLang's TokenizerManager.ReqState).
+
+The detokenizer may send the same output twice (after a restart or a resubscribe it re-sends from
+offset 0), so a state keeps how many ids and text code points it has received and `apply` keeps
+only what is new. Ids and text advance independently: text can lag ids while the detokenizer holds
+back half a character or a possible stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ringserve.errors import ServiceError
+
+from .io_struct import Finish, Logprob, TextDeltaIn, TokenizedReq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Chunk:
+    """New output since the consumer last looked: text, ids and their logprobs."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not self.text and not self.ids
+
+
+@dataclass
+class ReqState:
+    """One sample of one Generate call. `event` is shared by every sample of the call, so one
+    consumer can wait for whichever sample moves next."""
+
+    req: TokenizedReq
+    group: str  # the client's rid
+    index: int  # sample index in [0, n)
+    scheduler: str  # address of the scheduler it was routed to
+    event: asyncio.Event
+    created: float = field(default_factory=time.monotonic)
+    pending: Chunk = field(default_factory=Chunk)
+    num_ids: int = 0  # output ids received (token_offset dedup)
+    num_chars: int = 0  # output text code points received (text_offset dedup)
+    finished: bool = False
+    finish: Finish | None = None
+    error: ServiceError | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    timings: dict[str, float] | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    def apply(self, delta: TextDeltaIn, now: float | None = None) -> int:
+        """Merge a delta, dropping what was already received. Returns the number of new ids."""
+        if self.finished:
+            return 0
+        new_ids = 0
+        if delta.ids:
+            skip = self.num_ids - delta.token_offset
+            if skip < 0:
+                # A gap means a lost message; keep going rather than stall the stream.
+                log.warning("rid=%s token gap: have %d ids, delta starts at %d", self.rid, self.num_ids,
+                            delta.token_offset)
+                skip = 0
+            fresh = delta.ids[skip:]
+            if fresh:
+                self.pending.ids.extend(fresh)
+                if delta.logprobs:
+                    self.pending.logprobs.extend(delta.logprobs[skip:])
+                self.num_ids += len(fresh)
+                new_ids = len(fresh)
+        if delta.text:
+            skip = max(0, self.num_chars - delta.text_offset)
+            fresh_text = delta.text[skip:]
+            if fresh_text:
+                self.pending.text += fresh_text
+                self.num_chars += len(fresh_text)
+        if delta.prompt_tokens:
+            self.prompt_tokens = delta.prompt_tokens
+        if delta.cached_tokens:
+            self.cached_tokens = delta.cached_tokens
+        if new_ids:
+            now = time.monotonic() if now is None else now
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        if delta.finish is not None:
+            self.finished = True
+            self.finish = delta.finish
+            self.timings = delta.timings
+        return new_ids
+
+    def fail(self, error: ServiceError) -> None:
+        """End the request with an error status (scheduler gone, rejection, detokenizer gone)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.error = error
+        self.event.set()
+
+    def abort(self, message: str) -> None:
+        """End the request cleanly with finish_reason abort (status 0)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.finish = Finish(type="abort", message=message)
+        self.event.set()
+
+    def take(self) -> Chunk:
+        chunk, self.pending = self.pending, Chunk()
+        return chunk

@@ -1,0 +1,230 @@
+"""One Connect stream per scheduler: requests and aborts out (batched), load reports and rejections in.
+
+Each SchedulerConnection keeps its stream up by itself: hello first, then whatever requests and
+aborts piled up since the last write go out as one ConnectRequest. The stream counts as connected
+once the scheduler has answered the hello (it sends a LoadReport right away). When the stream breaks,
+the scheduler has already dropped this replica's requests, so the manager is told at once
+(`on_down`) and the connection retries with backoff. The request queue is bounded: a slow
+scheduler pushes back on intake instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from ringserve.errors import Unavailable
+from ringserve.grpc_server import insecure_channel
+from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+from .io_struct import LoadInfo, Sampling, TokenizedReq
+from .routing import SchedulerView
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 2.0
+MAX_QUEUED_REQUESTS = 4096
+MAX_BATCH = 256
+
+
+def sampling_to_pb(sp: Sampling) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+        repetition_penalty=sp.repetition_penalty, max_new_tokens=sp.max_new_tokens,
+        min_new_tokens=sp.min_new_tokens, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
+        spaces_between_special_tokens=sp.spaces_between_special_tokens, n=1, no_stop_trim=sp.no_stop_trim)
+    if sp.seed is not None:
+        pb.seed = sp.seed
+    return pb
+
+
+def request_to_pb(req: TokenizedReq, sent_at: float) -> scheduler_pb2.TokenizedRequest:
+    return scheduler_pb2.TokenizedRequest(
+        rid=req.rid, owner=req.owner, input_ids=req.input_ids, sampling_params=sampling_to_pb(req.sampling),
+        stream=req.stream, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+        sent_at=sent_at)
+
+
+def load_from_pb(pb: scheduler_pb2.LoadReport) -> LoadInfo:
+    return LoadInfo(num_running_reqs=pb.num_running_reqs, num_queue_reqs=pb.num_queue_reqs,
+                    num_used_tokens=pb.num_used_tokens, max_total_num_tokens=pb.max_total_num_tokens,
+                    token_usage=pb.token_usage)
+
+
+class SchedulerConnection:
+    def __init__(self, address: str, owner: str, on_rejection: Callable[[str, int, str], None],
+                 on_down: Callable[[str], None], on_change: Callable[[], None]) -> None:
+        self.address = address
+        self.owner = owner
+        self.on_rejection = on_rejection
+        self.on_down = on_down
+        self.on_change = on_change
+        self.connected = False
+        self.load = LoadInfo()
+        self.channel = insecure_channel(address)
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        # Items carry the session they were queued in: a request queued just before a break was
+        # already failed by on_down and must not be sent on the next stream.
+        self._queue: asyncio.Queue[tuple[int, TokenizedReq]] = asyncio.Queue(MAX_QUEUED_REQUESTS)
+        self._aborts: list[str] = []  # bounded by the live requests (each is aborted at most once)
+        self._wake = asyncio.Event()
+        self._session = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"scheduler {self.address}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.channel.close()
+
+    async def send(self, reqs: list[TokenizedReq]) -> None:
+        if not self.connected:
+            raise Unavailable(f"scheduler {self.address} unavailable")
+        session = self._session
+        for r in reqs:
+            await self._queue.put((session, r))
+        self._wake.set()
+
+    def abort(self, rids: list[str]) -> None:
+        # A broken stream already aborted everything there; nothing to send.
+        if self.connected:
+            self._aborts.extend(rids)
+            self._wake.set()
+
+    async def _run(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while True:
+            started = time.monotonic()
+            try:
+                await self._stream()
+                reason = "stream ended"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+            except Exception as e:  # noqa: BLE001 - keep reconnecting whatever broke
+                log.exception("scheduler %s stream failed", self.address)
+                reason = repr(e)
+            finally:
+                self._mark_down()
+            if time.monotonic() - started > 5:
+                backoff = BACKOFF_MIN_S  # it had been up a while: retry promptly
+            log.debug("scheduler %s: %s; retry in %.1fs", self.address, reason, backoff)
+            await asyncio.sleep(backoff)  # reconnect backoff, not a readiness wait
+            backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    def _mark_down(self) -> None:
+        self._session += 1
+        self._aborts.clear()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        if self.connected:
+            self.connected = False
+            log.warning("scheduler %s disconnected", self.address)
+            self.on_down(self.address)
+            self.on_change()
+
+    async def _stream(self) -> None:
+        call = self.stub.Connect()
+        try:
+            await call.write(scheduler_pb2.ConnectRequest(hello=scheduler_pb2.Hello(owner=self.owner)))
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                return
+            self._on_response(first)
+            self.connected = True
+            log.info("scheduler %s connected (owner %s)", self.address, self.owner)
+            self.on_change()
+            writer = asyncio.create_task(self._write_loop(call, self._session))
+            try:
+                while True:
+                    resp = await call.read()
+                    if resp is grpc.aio.EOF:
+                        return
+                    self._on_response(resp)
+            finally:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
+        finally:
+            call.cancel()
+
+    def _on_response(self, resp: scheduler_pb2.ConnectResponse) -> None:
+        if resp.HasField("load"):
+            self.load = load_from_pb(resp.load)
+        for rej in resp.rejections:
+            self.on_rejection(rej.rid, rej.status_code, rej.message or f"rejected by scheduler {self.address}")
+
+    async def _write_loop(self, call: grpc.aio.StreamStreamCall, session: int) -> None:
+        while True:
+            if self._queue.empty() and not self._aborts:
+                self._wake.clear()
+                await self._wake.wait()
+            now = time.time()
+            reqs = []
+            while not self._queue.empty() and len(reqs) < MAX_BATCH:
+                item_session, req = self._queue.get_nowait()
+                if item_session == session:
+                    reqs.append(request_to_pb(req, now))
+            aborts, self._aborts = self._aborts, []
+            if reqs and aborts:
+                # Cancelled before it was even sent: send neither, whatever order the scheduler
+                # applies requests and aborts of one message in.
+                dropped = set(aborts) & {r.rid for r in reqs}
+                reqs = [r for r in reqs if r.rid not in dropped]
+                aborts = [a for a in aborts if a not in dropped]
+            if reqs or aborts:
+                await call.write(scheduler_pb2.ConnectRequest(requests=reqs, abort_rids=aborts))
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        try:
+            resp = await self.stub.FlushCache(scheduler_pb2.SchedulerFlushCacheRequest(), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            return False, f"scheduler {self.address}: {e.code().name}: {e.details()}"
+        return resp.success, resp.message
+
+
+class SchedulerPool:
+    """Every scheduler this tokenizer routes to (implements tokenizer_manager.SchedulerLinks)."""
+
+    def __init__(self, addresses: list[str], owner: str, on_rejection: Callable[[str, int, str], None],
+                 on_down: Callable[[str], None], on_change: Callable[[], None]) -> None:
+        self.conns = {a: SchedulerConnection(a, owner, on_rejection, on_down, on_change) for a in addresses}
+
+    def start(self) -> None:
+        for c in self.conns.values():
+            c.start()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.conns.values()))
+
+    def any_connected(self) -> bool:
+        return any(c.connected for c in self.conns.values())
+
+    def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
+        return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0)) for a, c in self.conns.items()]
+
+    async def send(self, address: str, reqs: list[TokenizedReq]) -> None:
+        await self.conns[address].send(reqs)
+
+    def abort(self, address: str, rids: list[str]) -> None:
+        conn = self.conns.get(address)
+        if conn is not None:
+            conn.abort(rids)
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        down = [a for a, c in self.conns.items() if not c.connected]
+        if down:
+            return False, "scheduler(s) unavailable: " + ", ".join(down)
+        results = await asyncio.gather(*(c.flush_cache() for c in self.conns.values()))
+        failed = [msg or "refused" for ok, msg in results if not ok]
+        return (not failed), "; ".join(failed)

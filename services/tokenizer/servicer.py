@@ -1,0 +1,169 @@
+"""InferenceService over gRPC: protobuf in (from_pb), the manager, protobuf out (to_pb). Nothing else.
+
+Errors are ringserve.errors exceptions; the shared interceptor turns them into status codes.
+A Generate call that the client cancels, or whose deadline passes, is cancelled by grpc.aio; the
+manager's `finally` then aborts the request at its scheduler and drops it from rid_to_state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from ringserve import __version__
+from ringserve.errors import InvalidArgument
+from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
+from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
+
+from .io_struct import ChatInput, Finish, GenerateInput, GenerateOutput, LoadInfo, SamplingInput
+from .routing import SchedulerView
+from .tokenizer_manager import TokenizerManager
+
+TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
+
+
+def _opt(pb: object, name: str) -> object | None:
+    return getattr(pb, name) if pb.HasField(name) else None  # type: ignore[attr-defined]
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingInput:
+    return SamplingInput(
+        temperature=_opt(pb, "temperature"), top_p=_opt(pb, "top_p"), top_k=_opt(pb, "top_k"),
+        min_p=pb.min_p, frequency_penalty=pb.frequency_penalty, presence_penalty=pb.presence_penalty,
+        repetition_penalty=_opt(pb, "repetition_penalty"), max_new_tokens=_opt(pb, "max_new_tokens"),
+        min_new_tokens=pb.min_new_tokens, stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos, skip_special_tokens=_opt(pb, "skip_special_tokens"),
+        spaces_between_special_tokens=_opt(pb, "spaces_between_special_tokens"), seed=_opt(pb, "seed"),
+        n=_opt(pb, "n"), no_stop_trim=pb.no_stop_trim, json_schema=_opt(pb, "json_schema"),
+        regex=_opt(pb, "regex"), ebnf=_opt(pb, "ebnf"))  # type: ignore[arg-type]
+
+
+def chat_from_pb(pb: api_pb2.ChatInput) -> ChatInput:
+    return ChatInput(messages=[{"role": m.role, "content": m.content} for m in pb.messages],
+                     add_generation_prompt=pb.add_generation_prompt if pb.HasField("add_generation_prompt") else True,
+                     continue_final_message=pb.continue_final_message)
+
+
+def generate_from_pb(pb: api_pb2.GenerateRequest) -> GenerateInput:
+    which = pb.WhichOneof("input")
+    return GenerateInput(
+        rid=pb.rid, text=pb.text if which == "text" else None,
+        input_ids=list(pb.input_ids.ids) if which == "input_ids" else None,
+        chat=chat_from_pb(pb.chat) if which == "chat" else None,
+        sampling=sampling_from_pb(pb.sampling_params), stream=pb.stream, return_logprob=pb.return_logprob,
+        top_logprobs_num=pb.top_logprobs_num, return_timings=pb.return_timings, model=pb.model)
+
+
+def finish_to_pb(f: Finish) -> common_pb2.FinishReason:
+    pb = common_pb2.FinishReason(type=f.type, message=f.message, status_code=f.status_code)
+    if f.matched_token is not None:
+        pb.matched_token = f.matched_token
+    elif f.matched_str is not None:
+        pb.matched_str = f.matched_str
+    return pb
+
+
+def output_to_pb(out: GenerateOutput) -> api_pb2.GenerateResponse:
+    meta = api_pb2.MetaInfo(id=out.rid, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                            cached_tokens=out.cached_tokens)
+    if out.finished:
+        if out.finish is not None:
+            meta.finish_reason.CopyFrom(finish_to_pb(out.finish))
+        meta.e2e_latency = out.e2e_latency
+        if out.timings:
+            meta.timings.CopyFrom(common_pb2.Timings(**{k: v for k, v in out.timings.items() if k in TIMING_FIELDS}))
+    logprobs = [common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, token=lp.token,
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=p, token=name)
+                      for (t, p), name in zip(lp.top, lp.top_tokens or [""] * len(lp.top))])
+        for lp in out.logprobs]
+    return api_pb2.GenerateResponse(rid=out.rid, index=out.index, text=out.text, output_ids=out.output_ids,
+                                    logprobs=logprobs, finished=out.finished, meta_info=meta)
+
+
+def load_to_pb(view: SchedulerView) -> api_pb2.SchedulerLoad:
+    l: LoadInfo = view.load
+    return api_pb2.SchedulerLoad(address=view.address, connected=view.connected,
+                                 num_running_reqs=l.num_running_reqs, num_queue_reqs=l.num_queue_reqs,
+                                 num_used_tokens=l.num_used_tokens, max_total_num_tokens=l.max_total_num_tokens,
+                                 token_usage=l.token_usage)
+
+
+class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, manager: TokenizerManager, tokenizer: TextTokenizer, model_path: str,
+                 served_model_name: str, routing_policy: str, views: Callable[[], list[SchedulerView]],
+                 detokenizer_connected: Callable[[], bool]) -> None:
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+        self.routing_policy = routing_policy
+        self.views = views
+        self.detokenizer_connected = detokenizer_connected
+
+    async def Generate(self, request: api_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateResponse]:
+        outputs = self.manager.generate(generate_from_pb(request))
+        try:
+            async for out in outputs:
+                yield output_to_pb(out)
+        finally:
+            # Cancel/deadline: close the manager's generator now (not at GC) so its finally aborts.
+            await outputs.aclose()
+
+    async def Abort(self, request: api_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> api_pb2.AbortResponse:
+        return api_pb2.AbortResponse(found=self.manager.abort(request.rid))
+
+    async def GetModelInfo(self, request: api_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> api_pb2.GetModelInfoResponse:
+        tok = self.tokenizer
+        return api_pb2.GetModelInfoResponse(
+            model_path=self.model_path, served_model_name=self.served_model_name,
+            max_context_length=tok.context_length, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids,
+            is_generation=True, has_chat_template=bool(tok.chat_template))
+
+    async def GetServerInfo(self, request: api_pb2.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> api_pb2.GetServerInfoResponse:
+        views = self.views()
+        return api_pb2.GetServerInfoResponse(
+            num_running_reqs=sum(v.load.num_running_reqs for v in views),
+            num_queue_reqs=sum(v.load.num_queue_reqs for v in views),
+            token_usage=max((v.load.token_usage for v in views), default=0.0),
+            rid_to_state_size=len(self.manager.rid_to_state), tokenizer_id=self.manager.owner,
+            routing_policy=self.routing_policy, schedulers=[load_to_pb(v) for v in views],
+            version=__version__, detokenizer_connected=self.detokenizer_connected())
+
+    async def FlushCache(self, request: api_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> api_pb2.FlushCacheResponse:
+        ok, message = await self.manager.flush_cache([v.load for v in self.views()])
+        return api_pb2.FlushCacheResponse(success=ok, message=message)
+
+    async def Tokenize(self, request: api_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> api_pb2.TokenizeResponse:
+        which = request.WhichOneof("input")
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        if which == "chat":
+            chat = chat_from_pb(request.chat)
+            if not chat.messages:
+                raise InvalidArgument("chat.messages", "must not be empty")
+            try:
+                ids = self.tokenizer.encode_chat(chat.messages, chat.add_generation_prompt,
+                                                 chat.continue_final_message)
+            except ChatTemplateError as e:
+                raise InvalidArgument("chat", str(e)) from e
+        elif which == "text":
+            ids = self.tokenizer.encode(request.text, add_special_tokens=add_special)
+        else:
+            raise InvalidArgument("input", "one of text or chat is required")
+        return api_pb2.TokenizeResponse(ids=ids, count=len(ids), max_model_len=self.tokenizer.context_length,
+                                        tokens=self.tokenizer.token_texts(ids) if ids else [])
+
+    async def Detokenize(self, request: api_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> api_pb2.DetokenizeResponse:
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(request.ids):
+            if not (0 <= t < vocab):
+                raise InvalidArgument("ids", f"id {t} at position {i} is outside [0, {vocab})")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return api_pb2.DetokenizeResponse(text=self.tokenizer.decode(list(request.ids), skip_special_tokens=skip))

@@ -1,0 +1,253 @@
+"""TokenizerManager: request intake, rid_to_state and result collection (SGLang's TokenizerManager).
+
+A Generate call is validated and tokenized, expanded into n internal requests, routed to one
+scheduler and registered in `rid_to_state`; the detokenizer's deltas fill each ReqState and wake
+the call, which yields outputs until every sample has finished. A state lives from intake until
+its call stops consuming (finished, error, abort, cancel or deadline: the `finally` of
+`generate`), so rid_to_state cannot leak. Nothing here knows gRPC: schedulers are reached through
+the `SchedulerLinks` protocol and errors are ringserve.errors exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ringserve.errors import AlreadyExists, ResourceExhausted, ServiceError, Unavailable, error_for_code
+
+from .io_struct import GenerateInput, GenerateOutput, LoadInfo, Logprob, TextDeltaIn, TokenizedReq
+from .metrics import ModelMetrics
+from .request_state import Chunk, ReqState
+from .routing import Router, SchedulerView
+from .validation import Limits, ModelTokenizer, prepare
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerLinks(Protocol):
+    """What the manager needs from the scheduler connections (scheduler_client.SchedulerPool)."""
+
+    def views(self, in_flight: dict[str, int]) -> list[SchedulerView]: ...
+    async def send(self, address: str, reqs: list[TokenizedReq]) -> None: ...
+    def abort(self, address: str, rids: list[str]) -> None: ...
+    async def flush_cache(self) -> tuple[bool, str]: ...
+
+
+class TextTokenizerLike(ModelTokenizer, Protocol):
+    eos_token_ids: list[int]
+    chat_template: str | None
+
+    def token_texts(self, ids: list[int]) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    owner: str
+    limits: Limits
+    max_pending_requests: int = 4096
+
+
+class TokenizerManager:
+    def __init__(self, settings: ManagerSettings, tokenizer: TextTokenizerLike, schedulers: SchedulerLinks,
+                 router: Router, detokenizer_up: Callable[[], bool] = lambda: True) -> None:
+        self.settings = settings
+        self.owner = settings.owner
+        self.tokenizer = tokenizer
+        self.schedulers = schedulers
+        self.router = router
+        self.detokenizer_up = detokenizer_up
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.groups: dict[str, list[ReqState]] = {}  # client rid -> its samples
+        self.metrics = ModelMetrics(settings.limits.served_model_name)
+        self.ignored_deltas = 0  # deltas for rids no longer (or never) tracked here
+
+    # ---- intake and collection -------------------------------------------------------------
+
+    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateOutput]:
+        arrived = time.monotonic()
+        rid = req.rid or uuid.uuid4().hex
+        if rid in self.groups:
+            raise AlreadyExists(f"rid: request {rid!r} is already running")
+        t0 = time.perf_counter()
+        prepared = prepare(req, self.tokenizer, self.settings.limits)
+        tokenize_s = time.perf_counter() - t0
+        n = len(prepared.samplings)
+        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        # Re-check after tokenizing: no await above, but keep the check next to the insert.
+        if rid in self.groups or any(r in self.rid_to_state for r in rids):
+            raise AlreadyExists(f"rid: request {rid!r} is already running")
+        if len(self.rid_to_state) + n > self.settings.max_pending_requests:
+            raise ResourceExhausted(f"too many requests in flight ({len(self.rid_to_state)}); retry later")
+        if not self.detokenizer_up():
+            raise Unavailable("detokenizer unavailable")
+        address = self.router.select(prepared.input_ids, self.schedulers.views(self.in_flight()))
+        event = asyncio.Event()
+        states = [
+            ReqState(req=TokenizedReq(rid=r, owner=self.owner, input_ids=prepared.input_ids, sampling=sp,
+                                      stream=req.stream, return_logprob=req.return_logprob,
+                                      top_logprobs_num=req.top_logprobs_num),
+                     group=rid, index=i, scheduler=address, event=event, created=arrived,
+                     prompt_tokens=len(prepared.input_ids))
+            for i, (r, sp) in enumerate(zip(rids, prepared.samplings))]
+        self.groups[rid] = states
+        for s in states:
+            self.rid_to_state[s.rid] = s
+        log.info("rid=%s intake n=%d prompt_tokens=%d stream=%s scheduler=%s", rid, n,
+                 len(prepared.input_ids), req.stream, address)
+        try:
+            try:
+                await self.schedulers.send(address, [s.req for s in states])
+            except ServiceError as e:
+                for s in states:
+                    s.fail(e)  # never reached the scheduler: nothing to abort there
+                raise
+            self.metrics.num_requests.inc(n)
+            self.metrics.prompt_tokens.inc(n * len(prepared.input_ids))
+            async for out in self._collect(states, req, arrived, tokenize_s):
+                yield out
+        finally:
+            self._release(rid, states)
+
+    async def _collect(self, states: list[ReqState], req: GenerateInput, arrived: float,
+                       tokenize_s: float) -> AsyncIterator[GenerateOutput]:
+        pending = list(states)
+        event = states[0].event
+        while pending:
+            await event.wait()
+            event.clear()
+            for s in list(pending):
+                if s.error is not None:
+                    raise s.error
+                if s.finished and s.finish is not None and s.finish.type == "abort" and s.finish.status_code:
+                    raise error_for_code(s.finish.status_code, s.finish.message or "aborted")
+                if req.stream or s.finished:
+                    chunk = s.take()
+                    if not chunk.empty() or s.finished:
+                        yield self._output(s, chunk, req, arrived, tokenize_s)
+                if s.finished:
+                    pending.remove(s)
+
+    def _output(self, s: ReqState, chunk: Chunk, req: GenerateInput, arrived: float,
+                tokenize_s: float) -> GenerateOutput:
+        out = GenerateOutput(rid=s.group, index=s.index, text=chunk.text, output_ids=chunk.ids,
+                             logprobs=self._with_token_texts(chunk.logprobs) if req.return_logprob else [],
+                             finished=s.finished, prompt_tokens=s.prompt_tokens,
+                             completion_tokens=s.num_ids, cached_tokens=s.cached_tokens)
+        if s.finished:
+            now = time.monotonic()
+            out.finish = s.finish
+            out.e2e_latency = now - arrived
+            self.metrics.e2e.observe(out.e2e_latency)
+            log.info("rid=%s finished reason=%s completion_tokens=%d e2e=%.3fs", s.rid,
+                     s.finish.type if s.finish else "?", s.num_ids, out.e2e_latency)
+            if req.return_timings:
+                timings = dict(s.timings or {})
+                timings["tokenize_s"] = tokenize_s
+                if s.first_token_at is not None:
+                    timings["ttft_s"] = s.first_token_at - arrived
+                timings["e2e_s"] = out.e2e_latency
+                out.timings = timings
+        return out
+
+    def _with_token_texts(self, logprobs: list[Logprob]) -> list[Logprob]:
+        if not logprobs:
+            return []
+        ids = [lp.token_id for lp in logprobs]
+        for lp in logprobs:
+            ids.extend(t for t, _ in lp.top)
+        texts = iter(self.tokenizer.token_texts(ids))
+        named = [next(texts) for _ in logprobs]
+        return [replace(lp, token=name, top_tokens=tuple(next(texts) for _ in lp.top))
+                for lp, name in zip(logprobs, named)]
+
+    def _release(self, rid: str, states: list[ReqState]) -> None:
+        """The call stopped consuming: abort what still runs and forget every sample."""
+        running = [s for s in states if not s.finished]
+        if running:
+            self.metrics.num_aborted.inc(len(running))
+            self.schedulers.abort(running[0].scheduler, [s.rid for s in running])
+            log.info("rid=%s client gone; aborting %d sample(s)", rid, len(running))
+        for s in states:
+            if self.rid_to_state.get(s.rid) is s:
+                del self.rid_to_state[s.rid]
+        if self.groups.get(rid) is states:
+            del self.groups[rid]
+
+    def in_flight(self) -> dict[str, int]:
+        return dict(Counter(s.scheduler for s in self.rid_to_state.values()))
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def abort(self, rid: str) -> bool:
+        """Abort every sample of a client rid; the call ends with finish_reason abort."""
+        states = self.groups.get(rid)
+        if not states:
+            return False
+        running = [s for s in states if not s.finished]
+        if running:
+            self.schedulers.abort(running[0].scheduler, [s.rid for s in running])
+            self.metrics.num_aborted.inc(len(running))
+        for s in running:
+            s.abort("aborted by request")
+        log.info("rid=%s aborted by request", rid)
+        return True
+
+    async def flush_cache(self, loads: list[LoadInfo]) -> tuple[bool, str]:
+        busy = len(self.rid_to_state) + sum(l.num_reqs for l in loads)
+        if busy:
+            return False, f"refused: {busy} request(s) running or queued"
+        return await self.schedulers.flush_cache()
+
+    # ---- events from the ring --------------------------------------------------------------
+
+    def on_deltas(self, deltas: list[TextDeltaIn]) -> None:
+        now = time.monotonic()
+        for d in deltas:
+            s = self.rid_to_state.get(d.rid)
+            if s is None:
+                self.ignored_deltas += 1
+                continue
+            first, last = s.first_token_at, s.last_token_at
+            new_ids = s.apply(d, now)
+            if new_ids:
+                self.metrics.generation_tokens.inc(new_ids)
+                if first is None:
+                    self.metrics.ttft.observe(now - s.created)
+                elif last is not None:
+                    self.metrics.itl.observe((now - last) / new_ids)
+            s.event.set()
+
+    def on_rejection(self, rid: str, status_code: int, message: str) -> None:
+        s = self.rid_to_state.get(rid)
+        if s is not None:
+            log.info("rid=%s rejected by scheduler code=%d: %s", rid, status_code, message)
+            s.fail(error_for_code(status_code, message))
+
+    def on_scheduler_down(self, address: str) -> None:
+        """Its stream broke: the scheduler has dropped our requests, so end them now."""
+        self.router.forget(address)
+        failed = 0
+        for s in self.rid_to_state.values():
+            if s.scheduler == address and not s.finished:
+                s.fail(Unavailable(f"scheduler {address} unavailable"))
+                failed += 1
+        if failed:
+            log.warning("scheduler %s down: failed %d in-flight request(s)", address, failed)
+
+    def fail_all(self, error: ServiceError) -> None:
+        """End every in-flight request (no detokenizer for longer than the grace period)."""
+        by_scheduler: dict[str, list[str]] = {}
+        for s in self.rid_to_state.values():
+            if not s.finished:
+                by_scheduler.setdefault(s.scheduler, []).append(s.rid)
+                s.fail(error)
+        for address, rids in by_scheduler.items():
+            self.schedulers.abort(address, rids)
+        if by_scheduler:
+            log.warning("failed %d in-flight request(s): %s", sum(map(len, by_scheduler.values())), error.message)

@@ -1,0 +1,182 @@
+"""Check a GenerateInput before anything reaches a scheduler, and resolve its defaults.
+
+Every problem raises InvalidArgument whose message starts with the field's name
+(`sampling_params.top_p: ...`), so the gateway can turn it into a 400 that names the field.
+Nothing here knows gRPC; the model facts come from a TextTokenizer-like object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ringserve.errors import InvalidArgument, NotFound
+from ringserve.text_tokenizer import ChatTemplateError
+
+from .io_struct import GenerateInput, Sampling, SamplingInput
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+CONSTRAINED_FIELDS = ("json_schema", "regex", "ebnf")
+
+
+class ModelTokenizer(Protocol):
+    vocab_size: int
+    context_length: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    served_model_name: str
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_len: int = 256
+    max_top_logprobs: int = 20
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request: the prompt ids and one Sampling per sample (n of them)."""
+
+    input_ids: list[int]
+    samplings: list[Sampling]
+
+
+def _sp(name: str) -> str:
+    return f"sampling_params.{name}"
+
+
+def _finite(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))
+
+
+def check_sampling(sp: SamplingInput, vocab_size: int, limits: Limits) -> None:
+    """Range checks that need no prompt. `not (a <= x <= b)` also rejects NaN."""
+    if sp.temperature is not None and not (sp.temperature >= 0 and _finite(sp.temperature)):
+        raise InvalidArgument(_sp("temperature"), f"must be >= 0, got {sp.temperature}")
+    if sp.top_p is not None and not (0 < sp.top_p <= 1):
+        raise InvalidArgument(_sp("top_p"), f"must be in (0, 1], got {sp.top_p}")
+    if sp.top_k is not None and sp.top_k < -1:
+        raise InvalidArgument(_sp("top_k"), f"must be -1 or 0 (all tokens) or >= 1, got {sp.top_k}")
+    if not (0 <= sp.min_p <= 1):
+        raise InvalidArgument(_sp("min_p"), f"must be in [0, 1], got {sp.min_p}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(sp, name)
+        if not (-2 <= value <= 2):
+            raise InvalidArgument(_sp(name), f"must be in [-2, 2], got {value}")
+    if sp.repetition_penalty is not None and not (0 < sp.repetition_penalty <= 2):
+        raise InvalidArgument(_sp("repetition_penalty"), f"must be in (0, 2], got {sp.repetition_penalty}")
+    if sp.max_new_tokens is not None and sp.min_new_tokens > sp.max_new_tokens:
+        raise InvalidArgument(_sp("min_new_tokens"),
+                              f"{sp.min_new_tokens} is more than max_new_tokens ({sp.max_new_tokens})")
+    if sp.n is not None and not (1 <= sp.n <= limits.max_n):
+        raise InvalidArgument(_sp("n"), f"must be in [1, {limits.max_n}], got {sp.n}")
+    if len(sp.stop) > limits.max_stop_strings:
+        raise InvalidArgument(_sp("stop"), f"at most {limits.max_stop_strings} stop strings, got {len(sp.stop)}")
+    for i, s in enumerate(sp.stop):
+        if not s:
+            raise InvalidArgument(_sp(f"stop[{i}]"), "must not be empty")
+        if len(s) > limits.max_stop_len:
+            raise InvalidArgument(_sp(f"stop[{i}]"), f"longer than {limits.max_stop_len} characters")
+    for i, t in enumerate(sp.stop_token_ids):
+        if not (0 <= t < vocab_size):
+            raise InvalidArgument(_sp(f"stop_token_ids[{i}]"), f"{t} is outside [0, {vocab_size})")
+    constrained = [f for f in CONSTRAINED_FIELDS if getattr(sp, f) is not None]
+    if len(constrained) > 1:
+        raise InvalidArgument(_sp(constrained[0]), f"at most one of json_schema, regex, ebnf (got {', '.join(constrained)})")
+    if constrained:
+        raise InvalidArgument(_sp(constrained[0]), "constrained decoding is not supported by this server yet")
+
+
+def _input_field(req: GenerateInput) -> str:
+    if req.chat is not None:
+        return "chat"
+    return "input_ids" if req.input_ids is not None else "text"
+
+
+def tokenize_input(req: GenerateInput, tok: ModelTokenizer) -> list[int]:
+    """The prompt ids; empty input and chat template errors are INVALID_ARGUMENT."""
+    if req.chat is not None:
+        if not req.chat.messages:
+            raise InvalidArgument("chat.messages", "must not be empty")
+        try:
+            ids = tok.encode_chat(req.chat.messages, req.chat.add_generation_prompt,
+                                  req.chat.continue_final_message)
+        except ChatTemplateError as e:
+            raise InvalidArgument("chat", str(e)) from e
+        if not ids:
+            raise InvalidArgument("chat", "the chat template rendered an empty prompt")
+        return ids
+    if req.input_ids is not None:
+        if not req.input_ids:
+            raise InvalidArgument("input_ids", "must not be empty")
+        for i, t in enumerate(req.input_ids):
+            if not (0 <= t < tok.vocab_size):
+                raise InvalidArgument("input_ids", f"id {t} at position {i} is outside [0, {tok.vocab_size})")
+        return list(req.input_ids)
+    if req.text is None:
+        raise InvalidArgument("input", "one of text, input_ids or chat is required")
+    if not req.text:
+        raise InvalidArgument("text", "must not be empty")
+    return tok.encode(req.text)
+
+
+def resolve_max_new_tokens(sp: SamplingInput, prompt_len: int, context_length: int, input_field: str) -> int:
+    """An explicit max_new_tokens must fit the context; an unset one is capped to the room left."""
+    room = context_length - prompt_len
+    if room <= 0:
+        raise InvalidArgument(input_field, f"the prompt has {prompt_len} tokens; the context length is {context_length}")
+    if sp.max_new_tokens is None:
+        mnt = min(DEFAULT_MAX_NEW_TOKENS, room)
+    elif sp.max_new_tokens > room:
+        raise InvalidArgument(_sp("max_new_tokens"),
+                              f"prompt ({prompt_len}) + max_new_tokens ({sp.max_new_tokens}) is more than "
+                              f"the context length ({context_length})")
+    else:
+        mnt = sp.max_new_tokens
+    if sp.min_new_tokens > mnt:
+        raise InvalidArgument(_sp("min_new_tokens"), f"{sp.min_new_tokens} is more than max_new_tokens ({mnt})")
+    return mnt
+
+
+def resolve_sampling(sp: SamplingInput, max_new_tokens: int) -> Sampling:
+    # top_k 0 means "all" for OpenAI-style clients; the scheduler's spelling of "all" is -1.
+    top_k = -1 if sp.top_k in (None, 0) else sp.top_k
+    return Sampling(
+        temperature=1.0 if sp.temperature is None else sp.temperature,
+        top_p=1.0 if sp.top_p is None else sp.top_p,
+        top_k=top_k, min_p=sp.min_p, frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+        max_new_tokens=max_new_tokens, min_new_tokens=sp.min_new_tokens, stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        skip_special_tokens=True if sp.skip_special_tokens is None else sp.skip_special_tokens,
+        spaces_between_special_tokens=(True if sp.spaces_between_special_tokens is None
+                                       else sp.spaces_between_special_tokens),
+        seed=sp.seed, no_stop_trim=sp.no_stop_trim)
+
+
+def check_request(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> None:
+    """Checks that need no tokenization (cheap; run before the template renders)."""
+    if req.model and req.model != limits.served_model_name:
+        raise NotFound(f"model: '{req.model}' is not served here (this server serves "
+                       f"'{limits.served_model_name}')")
+    check_sampling(req.sampling, tok.vocab_size, limits)
+    if req.top_logprobs_num > limits.max_top_logprobs:
+        raise InvalidArgument("top_logprobs_num", f"must be at most {limits.max_top_logprobs}, "
+                              f"got {req.top_logprobs_num}")
+
+
+def prepare(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> Prepared:
+    """Validate, tokenize and expand n: sample i gets seed + i when a seed was given."""
+    check_request(req, tok, limits)
+    ids = tokenize_input(req, tok)
+    mnt = resolve_max_new_tokens(req.sampling, len(ids), tok.context_length, _input_field(req))
+    base = resolve_sampling(req.sampling, mnt)
+    n = req.sampling.n or 1
+    samplings = [base if base.seed is None else replace(base, seed=base.seed + i) for i in range(n)]
+    return Prepared(input_ids=ids, samplings=samplings)
