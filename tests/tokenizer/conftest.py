@@ -35,9 +35,3 @@ def client(tokenizer) -> Iterator[api_pb2_grpc.InferenceServiceStub]:
     with grpc.insecure_channel(tokenizer.cfg.address) as channel:
         yield api_pb2_grpc.InferenceServiceStub(channel)
 
-
-@pytest.fixture(autouse=True, scope="session")
-def _patch_stream_interceptor() -> None:
-    from .interceptor_fix import install
-
-    install()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import sys
 import urllib.request
 
 import grpc
@@ -14,19 +13,13 @@ from ringserve.process import ServiceProcess, free_port, python_cmd
 from ringserve.v1 import api_pb2, api_pb2_grpc
 
 from .fakes import fake_text
-from .interceptor_fix import shared_fix_present
 from .test_generate import gen_request
 
 pytestmark = pytest.mark.e2e
 
 
 def tokenizer_cmd(*args: str) -> list[str]:
-    if shared_fix_present():
-        return python_cmd("services.tokenizer", *args)
-    # Same entry point, with the health-Watch interceptor stopgap (see interceptor_fix.py).
-    boot = ("import sys; from tests.tokenizer.interceptor_fix import install; install(); "
-            "from services.tokenizer.__main__ import main; main(sys.argv[1:])")
-    return [sys.executable, "-c", boot, *args]
+    return python_cmd("services.tokenizer", *args)
 
 
 @pytest.fixture
