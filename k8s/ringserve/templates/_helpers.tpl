@@ -1,0 +1,182 @@
+{{/* Names: <fullname>-<component>; fullname is capped so "-scheduler-headless" still fits in 63. */}}
+{{- define "ringserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ringserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "ringserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels for everything; call with (dict "ctx" $ "component" "scheduler"). */}}
+{{- define "ringserve.labels" -}}
+helm.sh/chart: {{ include "ringserve.chart" .ctx }}
+{{ include "ringserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: ringserve
+{{- end }}
+
+{{- define "ringserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ringserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end }}
+
+{{- define "ringserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "ringserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Image for a component; call with (dict "ctx" $ "component" "gateway"). */}}
+{{- define "ringserve.image" -}}
+{{- printf "%s/%s:%s" .ctx.Values.image.repository .component (default .ctx.Chart.AppVersion .ctx.Values.image.tag) }}
+{{- end }}
+
+{{- define "ringserve.hfSecretName" -}}
+{{- if .Values.hfToken.existingSecret }}
+{{- .Values.hfToken.existingSecret }}
+{{- else }}
+{{- printf "%s-hf-token" (include "ringserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "ringserve.modelCacheClaim" -}}
+{{- if .Values.modelCache.persistence.existingClaim }}
+{{- .Values.modelCache.persistence.existingClaim }}
+{{- else }}
+{{- printf "%s-model-cache" (include "ringserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Target of a component's gRPC Service inside the cluster. */}}
+{{- define "ringserve.detokenizerTarget" -}}
+{{- printf "%s-detokenizer:%d" (include "ringserve.fullname" .) (int .Values.detokenizer.port) }}
+{{- end }}
+
+{{- define "ringserve.schedulerTarget" -}}
+{{- printf "dns:///%s-scheduler-headless.%s.svc.cluster.local:%d" (include "ringserve.fullname" .) .Release.Namespace (int .Values.scheduler.port) }}
+{{- end }}
+
+{{- define "ringserve.tokenizerTarget" -}}
+{{- if .Values.gateway.tokenizerTarget }}
+{{- .Values.gateway.tokenizerTarget }}
+{{- else }}
+{{- printf "dns:///%s-tokenizer-headless.%s.svc.cluster.local:%d" (include "ringserve.fullname" .) .Release.Namespace (int .Values.tokenizer.port) }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings shared by every component. */}}
+{{- define "ringserve.podSpecCommon" -}}
+serviceAccountName: {{ include "ringserve.serviceAccountName" . }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* Env for the model-loading services: model cache, HF token, writable HOME. */}}
+{{- define "ringserve.env" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: RINGSERVE_LOG_LEVEL
+  value: {{ .Values.logLevel | quote }}
+- name: HF_HOME
+  value: {{ .Values.modelCache.mountPath | quote }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ringserve.hfSecretName" . }}
+      key: {{ .Values.hfToken.key }}
+      optional: true
+{{- end }}
+
+{{- define "ringserve.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: model-cache
+  mountPath: {{ .Values.modelCache.mountPath }}
+{{- end }}
+
+{{- define "ringserve.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+- name: model-cache
+{{- if .Values.modelCache.persistence.enabled }}
+  persistentVolumeClaim:
+    claimName: {{ include "ringserve.modelCacheClaim" . }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.modelCache.emptyDir.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/* Native gRPC startup/readiness/liveness probes; call with (dict "port" 50052 "spec" .Values.scheduler). */}}
+{{- define "ringserve.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .spec.startupProbe | nindent 2 }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .spec.readinessProbe | nindent 2 }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  {{- toYaml .spec.livenessProbe | nindent 2 }}
+{{- end }}
+
+{{/* preStop: stay up while the endpoint removal propagates, then SIGTERM drains in-flight work. */}}
+{{- define "ringserve.lifecycle" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ . }}"]
+{{- end }}
+
+{{- define "ringserve.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "ringserve.podAnnotations" -}}
+{{- with .Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,321 @@
+"""The Helm chart, offline: lint, schema, render across a values matrix, assertions on the objects,
+and every rendered manifest through `kubernetes-validate --strict`.
+
+helm-python-sdk bundles libhelm_c (Helm v4's Go SDK behind a C ABI) in its wheel: no helm binary,
+no download, no cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (requirements-dev.txt)")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "k8s" / "ringserve"
+VALUES_DIR = Path(__file__).parent / "values"
+MATRIX = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
+RELEASE, NAMESPACE = "rs", "llm"
+K8S_VERSIONS = ("1.30.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas shipped
+GRPC_COMPONENTS = ("detokenizer", "scheduler", "tokenizer")
+
+
+def values_of(case: str) -> dict[str, Any]:
+    return yaml.safe_load((VALUES_DIR / f"{case}.yaml").read_text()) or {}
+
+
+def render(values: dict[str, Any]) -> dict[str, str]:
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    docs = []
+    for path, text in rendered.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def component(obj: dict[str, Any]) -> str:
+    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def deployments(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {component(d): d for d in by_kind(objs, "Deployment").values()}
+
+
+def container(dep: dict[str, Any]) -> dict[str, Any]:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def arg(c: dict[str, Any], flag: str) -> str:
+    args = c["args"]
+    assert flag in args, f"{c['name']}: {flag} missing from {args}"
+    return args[args.index(flag) + 1]
+
+
+@pytest.fixture(scope="module", params=MATRIX)
+def case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    values = values_of(request.param)
+    return request.param, values, objects(render(values))
+
+
+def test_lint_strict_every_case() -> None:
+    for name in MATRIX:
+        for kube in K8S_VERSIONS:
+            report = helm.lint(CHART, values_of(name), strict=True, namespace=NAMESPACE, kube_version=f"v{kube}")
+            problems = [m for m in report["messages"] if m["severity"] >= 2]
+            # severity 1 (info) "icon is recommended" is the only accepted remark
+            assert not report["errors"] and not problems, f"{name} on {kube}: {report}"
+
+
+def test_schema_accepts_matrix_and_rejects_mistakes() -> None:
+    with helm.Chart.load(CHART) as chart:
+        for name in MATRIX:
+            chart.validate_schema(values_of(name))
+        for bad in ({"scheduler": {"device": "tpu"}},
+                    {"scheduler": {"replicas": -1}},
+                    {"scheduler": {"gpu": {"resourceKey": "nvidia.com/gpu", "count": 0}}},
+                    {"gateway": {"service": {"type": "Ingress", "port": 80}}},
+                    {"tokenizer": {"autoscaling": {"enabled": True, "minReplicas": 0}}},
+                    {"schedulr": {}}):
+            with pytest.raises(helm.HelmValuesError):
+                chart.validate_schema(bad)
+
+
+def test_rendering_applies_the_schema() -> None:
+    with pytest.raises(helm.HelmError):
+        render({"scheduler": {"device": "tpu"}})
+
+
+def test_every_manifest_passes_kubernetes_validate_strict(case, tmp_path: Path) -> None:
+    name, _, objs = case
+    files = []
+    for i, obj in enumerate(objs):
+        f = tmp_path / f"{i:02d}-{obj['kind']}.yaml"
+        f.write_text(yaml.safe_dump(obj))
+        files.append(str(f))
+    cmd = [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet"]
+    for v in K8S_VERSIONS:
+        cmd += ["-k", v]
+    r = subprocess.run(cmd + files, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name}:\n{r.stdout}{r.stderr}"
+    # CRDs have no bundled schema: the only warnings allowed are for the ServiceMonitor.
+    warned = [line for line in r.stdout.splitlines() if line.startswith("WARN")]
+    assert all("ServiceMonitor" in line for line in warned), warned
+
+
+def test_components_and_services(case) -> None:
+    name, values, objs = case
+    deps = deployments(objs)
+    assert set(deps) == {"gateway", "tokenizer", "scheduler", "detokenizer"}
+    services = by_kind(objs, "Service")
+    prefix = f"{RELEASE}-ringserve"
+    assert {f"{prefix}-gateway", f"{prefix}-tokenizer", f"{prefix}-tokenizer-headless",
+            f"{prefix}-detokenizer", f"{prefix}-scheduler-headless"} == set(services)
+    assert services[f"{prefix}-scheduler-headless"]["spec"]["clusterIP"] == "None"
+    for svc in services.values():
+        comp = component(svc)
+        assert svc["spec"]["selector"]["app.kubernetes.io/component"] == comp
+        ports = {p["name"]: p for p in container(deps[comp])["ports"]}
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports, f"{svc['metadata']['name']}: {p} targets no named port"
+            if p["name"] == "grpc":
+                assert p.get("appProtocol") == "grpc"
+
+
+def test_named_ports_and_probes_on_every_container(case) -> None:
+    _, _, objs = case
+    for comp, dep in deployments(objs).items():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            names = {p["name"] for p in c["ports"]}
+            assert names == ({"http"} if comp == "gateway" else {"grpc", "metrics"}), (comp, names)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert probe in c, f"{comp}: no {probe}"
+                p = c[probe]
+                if comp == "gateway":
+                    assert p["httpGet"]["port"] == "http"
+                else:  # native gRPC probe on the gRPC port (grpc.port must be a number)
+                    grpc_port = next(x["containerPort"] for x in c["ports"] if x["name"] == "grpc")
+                    assert p["grpc"]["port"] == grpc_port
+            assert c["readinessProbe"].get("httpGet", {}).get("path", "/health") == "/health"
+            assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        # the grace period covers the preStop sleep plus the service's own drain
+        assert pod["terminationGracePeriodSeconds"] > int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    sched = container(deployments(objs)["scheduler"])
+    budget = sched["startupProbe"]["periodSeconds"] * sched["startupProbe"]["failureThreshold"]
+    assert budget >= 600, "the scheduler needs a long startup budget for model loads"
+
+
+def test_gpu_request_on_scheduler_only(case) -> None:
+    _, values, objs = case
+    sched_values = {**{"device": "cuda", "gpu": {"resourceKey": "nvidia.com/gpu", "count": 1}},
+                    **values.get("scheduler", {})}
+    key = sched_values["gpu"]["resourceKey"]
+    deps = deployments(objs)
+    for comp, dep in deps.items():
+        res = container(dep).get("resources", {})
+        gpu_keys = [k for part in ("limits", "requests") for k in res.get(part, {}) if "gpu" in k]
+        if comp == "scheduler" and sched_values["device"] == "cuda":
+            assert res["limits"][key] == sched_values["gpu"]["count"]
+            assert gpu_keys == [key]
+        else:
+            assert gpu_keys == [], f"{comp} must not request GPUs: {res}"
+    sched = deps["scheduler"]
+    c = container(sched)
+    assert arg(c, "--device") == sched_values["device"]
+    assert c["image"].endswith(f"/scheduler-{sched_values['device']}:0.1.0")
+    pod = sched["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert pod.get("runtimeClassName") == (sched_values.get("runtimeClassName") or None)
+    assert pod.get("nodeSelector") == (sched_values.get("nodeSelector") or None)
+    assert pod.get("tolerations") == (sched_values.get("tolerations") or None)
+    for flag, key_ in (("--max-total-tokens", "maxTotalTokens"), ("--mem-fraction", "memFraction"),
+                       ("--max-running-requests", "maxRunningRequests"),
+                       ("--chunked-prefill-size", "chunkedPrefillSize")):
+        if sched_values.get(key_) is None:
+            assert flag not in c["args"]
+        else:
+            assert float(arg(c, flag)) == float(sched_values[key_])
+
+
+def test_ring_wiring(case) -> None:
+    _, values, objs = case
+    deps = deployments(objs)
+    prefix = f"{RELEASE}-ringserve"
+    tok = container(deps["tokenizer"])
+    assert tok["command"] == ["python", "-m", "services.tokenizer"]
+    assert arg(tok, "--scheduler") == f"dns:///{prefix}-scheduler-headless.{NAMESPACE}.svc.cluster.local:50052"
+    assert arg(tok, "--detokenizer") == f"{prefix}-detokenizer:50053"
+    assert arg(tok, "--routing-policy") == "round_robin"
+    assert arg(container(deps["scheduler"]), "--detokenizer") == f"{prefix}-detokenizer:50053"
+    assert arg(container(deps["gateway"]), "--tokenizer") == \
+        f"dns:///{prefix}-tokenizer-headless.{NAMESPACE}.svc.cluster.local:50051"
+    model = values.get("model", "/models/default")
+    for comp in GRPC_COMPONENTS:
+        c = container(deps[comp])
+        assert c["command"] == ["python", "-m", f"services.{comp}"]
+        assert arg(c, "--host") == "0.0.0.0"
+        assert arg(c, "--model") == model
+    assert deps["scheduler"]["spec"]["replicas"] == values.get("scheduler", {}).get("replicas", 1)
+    assert deps["detokenizer"]["spec"]["replicas"] == 1
+
+
+def test_security_context_everywhere(case) -> None:
+    _, _, objs = case
+    for comp, dep in deployments(objs).items():
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert pod["automountServiceAccountToken"] is False
+        c = container(dep)
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), f"{comp}: no writable /tmp"
+
+
+def test_model_cache_and_hf_token(case) -> None:
+    _, values, objs = case
+    persistence = values.get("modelCache", {}).get("persistence", {})
+    hf = {"existingSecret": "", "key": "HF_TOKEN", "value": "", **values.get("hfToken", {})}
+    pvcs = by_kind(objs, "PersistentVolumeClaim")
+    secrets = by_kind(objs, "Secret")
+    if persistence.get("enabled") and not persistence.get("existingClaim"):
+        (pvc,) = pvcs.values()
+        assert pvc["spec"]["resources"]["requests"]["storage"] == persistence["size"]
+        assert pvc["spec"]["storageClassName"] == persistence["storageClass"]
+        claim = pvc["metadata"]["name"]
+    else:
+        assert not pvcs
+        claim = persistence.get("existingClaim") if persistence.get("enabled") else None
+    secret_name = hf["existingSecret"] or f"{RELEASE}-ringserve-hf-token"
+    if hf["value"] and not hf["existingSecret"]:
+        assert secrets[secret_name]["stringData"][hf["key"]] == hf["value"]
+    else:
+        assert not secrets
+    for comp in GRPC_COMPONENTS:
+        dep = deployments(objs)[comp]
+        c = container(dep)
+        vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache")
+        if claim:
+            assert vol["persistentVolumeClaim"]["claimName"] == claim
+        else:
+            assert "emptyDir" in vol
+        env = {e["name"]: e for e in c["env"]}
+        assert env["HF_HOME"]["value"] == "/cache/hf"
+        assert {"name": "model-cache", "mountPath": "/cache/hf"} in c["volumeMounts"]
+        ref = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"], ref["optional"]) == (secret_name, hf["key"], True)
+
+
+def test_autoscaling_and_disruption_budgets(case) -> None:
+    _, values, objs = case
+    hpas = {component(h): h for h in by_kind(objs, "HorizontalPodAutoscaler").values()}
+    deps = deployments(objs)
+    for comp in ("gateway", "tokenizer"):
+        auto = values.get(comp, {}).get("autoscaling", {})
+        if auto.get("enabled"):
+            h = hpas[comp]["spec"]
+            assert h["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                           "name": deps[comp]["metadata"]["name"]}
+            assert (h["minReplicas"], h["maxReplicas"]) == (auto["minReplicas"], auto["maxReplicas"])
+            assert "replicas" not in deps[comp]["spec"], "the HPA owns replicas"
+        else:
+            assert comp not in hpas
+    assert set(hpas) <= {"gateway", "tokenizer"}
+    pdbs = {component(p): p for p in by_kind(objs, "PodDisruptionBudget").values()}
+    assert set(pdbs) == {"gateway", "tokenizer", "scheduler"}
+    for comp, pdb in pdbs.items():
+        assert pdb["spec"]["selector"]["matchLabels"] == deps[comp]["spec"]["selector"]["matchLabels"]
+
+
+def test_monitoring_objects(case) -> None:
+    _, values, objs = case
+    sm_on = values.get("metrics", {}).get("serviceMonitor", {}).get("enabled", False)
+    sms = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    if not sm_on:
+        assert not sms
+    else:
+        (sm,) = sms
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+        assert {e["port"] for e in sm["spec"]["endpoints"]} == {"metrics", "http"}
+        selected = [s for s in by_kind(objs, "Service").values()
+                    if all(s["metadata"]["labels"].get(k) == v
+                           for k, v in sm["spec"]["selector"]["matchLabels"].items())]
+        assert sorted(component(s) for s in selected) == ["detokenizer", "gateway", "scheduler", "tokenizer"]
+        for k, v in values["metrics"]["serviceMonitor"].get("labels", {}).items():
+            assert sm["metadata"]["labels"][k] == v
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = (ROOT / "monitoring" / "grafana" / "dashboards" / "ringserve.json").read_text()
+    assert json.loads(cm["data"]["ringserve.json"]) == json.loads(dashboard)
+
+
+def test_chart_dashboard_copy_is_identical() -> None:
+    """Helm can only read files inside the chart: k8s/ringserve/dashboards/ is a copy of monitoring/."""
+    src = ROOT / "monitoring" / "grafana" / "dashboards" / "ringserve.json"
+    assert (CHART / "dashboards" / "ringserve.json").read_bytes() == src.read_bytes(), \
+        "run: cp monitoring/grafana/dashboards/ringserve.json k8s/ringserve/dashboards/"
+
+
+def test_notes_render() -> None:
+    notes = render({})["ringserve/templates/NOTES.txt"]
+    assert "port-forward svc/rs-ringserve-gateway" in notes

@@ -1,0 +1,96 @@
+"""The Helm containers' commands are real: render the chart (CPU mode), run each Deployment's
+container command + args + env as a local process (Services -> 127.0.0.1, container ports -> free
+ports), gate each on readiness and on its own startup/readiness/liveness probes; then generate."""
+
+from __future__ import annotations
+
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy._ring import (LocalService, PortMap, generate_through_gateway, hf_home_dir, run_health_cmd,
+                                running, skip_unless_services_exist)
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (requirements-dev.txt)")
+
+ROOT = Path(__file__).resolve().parents[2]
+ORDER = ("detokenizer", "scheduler", "tokenizer", "gateway")  # readiness order (docs/deployment.md)
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def rendered_objects() -> list[dict]:
+    with helm.Chart.load(ROOT / "k8s" / "ringserve") as chart:
+        out = chart.render(values={"scheduler": {"device": "cpu"}}, name="rs", namespace="llm")
+    return [d for path, text in out.items() if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
+
+
+def run_probe(probe: dict, container: dict, name: str, pm: PortMap) -> None:
+    """What the kubelet does, against the local ports: gRPC health via the project's probe, or GET."""
+    if "grpc" in probe:
+        local = pm.local(name, probe["grpc"]["port"])
+        run_health_cmd([sys.executable, "-m", "ringserve.probe", f"127.0.0.1:{local}"])
+    else:
+        get = probe["httpGet"]
+        port = get["port"]
+        if isinstance(port, str):
+            port = next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+        url = f"http://127.0.0.1:{pm.local(name, port)}{get['path']}"
+        with urllib.request.urlopen(url, timeout=probe.get("timeoutSeconds", 1) + 2) as resp:
+            assert 200 <= resp.status < 400, f"{name} {url}: {resp.status}"
+
+
+def local_services() -> tuple[list[LocalService], PortMap]:
+    objs = rendered_objects()
+    deps = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in objs if d["kind"] == "Deployment"}
+    assert set(deps) == set(ORDER)
+    pm = PortMap()
+    containers = {}
+    for name in ORDER:
+        (c,) = deps[name]["spec"]["template"]["spec"]["containers"]
+        containers[name] = c
+        pm.add_service(name, [p["containerPort"] for p in c["ports"]])
+    for svc in (o for o in objs if o["kind"] == "Service"):
+        comp = svc["metadata"]["labels"]["app.kubernetes.io/component"]
+        ports = {p["name"]: p["containerPort"] for p in containers[comp]["ports"]}
+        for p in svc["spec"]["ports"]:
+            # service port == container port, so a host:port in an arg maps straight to a local port
+            assert ports[p["targetPort"]] == p["port"], svc["metadata"]["name"]
+        pm.add_service(comp, [], aliases=(svc["metadata"]["name"],))
+    out = []
+    for name in ORDER:
+        c = containers[name]
+        env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}  # secretKeyRef: not here
+        serve = next(p["containerPort"] for p in c["ports"] if p["name"] in ("grpc", "http"))
+
+        def health(pm: PortMap, c=c, name=name) -> None:
+            for probe in PROBES:
+                run_probe(c[probe], c, name, pm)
+
+        out.append(LocalService(name=name, argv=c["command"] + [str(a) for a in c["args"]], env=env,
+                                ports=[p["containerPort"] for p in c["ports"]],
+                                kind="http" if name == "gateway" else "grpc", serve_port=serve, health=health))
+    return out, pm
+
+
+def test_helm_translation_maps_every_host_and_port(model_dir: str, tmp_path: Path) -> None:
+    from tests.deploy._ring import localize_argv
+
+    services, pm = local_services()
+    for svc in services:
+        argv = localize_argv(svc, pm, model_dir, hf_home_dir(tmp_path))
+        assert not any("svc.cluster.local" in a or a.startswith("rs-ringserve") for a in argv), argv
+        if svc.name != "gateway":
+            assert argv[argv.index("--model") + 1] == model_dir
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_helm_commands_serve_a_request(model_dir: str, tmp_path: Path) -> None:
+    skip_unless_services_exist()
+    services, pm = local_services()
+    with running(services, pm, model_dir, hf_home_dir(tmp_path)):
+        generate_through_gateway(pm.local("gateway", 30000))
