@@ -1,0 +1,21 @@
+"""python -m services.detokenizer --host 127.0.0.1 --port 50053 --metrics-port 9093 --model M"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ringserve.config import parse_config
+from ringserve.logs import setup_logging
+from services.detokenizer.config import DetokenizerConfig
+from services.detokenizer.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(DetokenizerConfig, argv)
+    setup_logging("detokenizer")
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

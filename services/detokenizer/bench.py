@@ -1,0 +1,101 @@
+"""Steady-state decode throughput: N concurrent streaming requests, one new token each per step.
+
+    python -m services.detokenizer.bench [--requests 256] [--steps 400] [--model M] [--stop]
+
+Prints tokens/s for the core (Detokenizer.step on dataclasses) and through the servicer
+(protobuf StepBatch in -> decode -> SubscribeResponse per owner queued to subscribers), per core
+(CPU time of this process, so other load on the machine does not skew it):
+the tokenizers library's own thread pool is switched off so the number is per core.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers starts its pool
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import time  # noqa: E402
+
+from ringserve.text_tokenizer import TextTokenizer, default_model  # noqa: E402
+from ringserve.v1 import detokenizer_pb2 as pb  # noqa: E402
+from services.detokenizer.config import DetokenizerConfig  # noqa: E402
+from services.detokenizer.detokenizer import Detokenizer  # noqa: E402
+from services.detokenizer.messages import DecodeParams, StepBatch, TokenDelta  # noqa: E402
+from services.detokenizer.server import build_servicer  # noqa: E402
+
+TEXT = ("The detokenizer turns token ids into text, one step at a time. 東京は日本の首都です。"
+        "Emoji 😀🚀👍🏽 and naïve café résumé. 我们喜欢机器学习。 The quick brown fox jumps. ") * 8
+OWNERS = 4
+
+
+def token_stream(tok: TextTokenizer, n: int) -> list[int]:
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def params(i: int, stop: bool) -> DecodeParams:
+    return DecodeParams(owner=f"tok-{i % OWNERS}", stop=("fox jumps over", "</answer>") if stop else ())
+
+
+def bench_core(tok: TextTokenizer, n_req: int, steps: int, stop: bool) -> float:
+    det = Detokenizer(tok)
+    stream = token_stream(tok, steps + n_req + 4)
+    # Warm-up step carrying params (and a few tokens) for every request.
+    det.step(StepBatch([TokenDelta(f"r{i}", stream[i:i + 4], 0, params(i, stop)) for i in range(n_req)]))
+    batches = [StepBatch([TokenDelta(f"r{i}", [stream[i + s + 4]], s + 4) for i in range(n_req)])
+               for s in range(steps)]
+    t0 = time.process_time()
+    for b in batches:
+        det.step(b)
+    return n_req * steps / (time.process_time() - t0)
+
+
+async def bench_servicer(tok: TextTokenizer, n_req: int, steps: int, stop: bool) -> float:
+    servicer = build_servicer(DetokenizerConfig(model="bench", metrics_port=-1), tok)
+    subs = [servicer.subs.subscribe(f"tok-{o}") for o in range(OWNERS)]
+
+    async def drain(sub) -> None:  # type: ignore[no-untyped-def]
+        while await sub.get() is not None:
+            pass
+
+    drains = [asyncio.create_task(drain(s)) for s in subs]
+    stream = token_stream(tok, steps + n_req + 4)
+    first = pb.StepBatch(deltas=[pb.TokenDelta(
+        rid=f"r{i}", offset=0, ids=stream[i:i + 4],
+        params=pb.DecodeParams(owner=f"tok-{i % OWNERS}", stream=True, skip_special_tokens=True,
+                               stop=list(params(i, stop).stop))) for i in range(n_req)])
+    await servicer.handle_batch(first)
+    batches = [pb.StepBatch(deltas=[pb.TokenDelta(rid=f"r{i}", offset=s + 4, ids=[stream[i + s + 4]])
+                                    for i in range(n_req)]).SerializeToString() for s in range(steps)]
+    t0 = time.process_time()
+    for raw in batches:  # parse included: that is what the gRPC layer hands the servicer
+        await servicer.handle_batch(pb.StepBatch.FromString(raw))
+    elapsed = time.process_time() - t0
+    servicer.close()
+    await asyncio.gather(*drains)
+    return n_req * steps / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--stop", action="store_true", help="give every request two stop strings")
+    args = ap.parse_args()
+    tok = TextTokenizer.from_model(args.model)
+    core = bench_core(tok, args.requests, args.steps, args.stop)
+    via = asyncio.run(bench_servicer(tok, args.requests, args.steps, args.stop))
+    print(f"detokenizer bench: {args.requests} concurrent requests x {args.steps} steps, "
+          f"stop strings: {'yes' if args.stop else 'no'}, "
+          "tokens per CPU-second of one core")
+    print(f"  core (Detokenizer.step):          {core:>10,.0f} tokens/s")
+    print(f"  servicer (protobuf in/out+route): {via:>10,.0f} tokens/s")
+    print(f"  target >= 50,000 tokens/s: {'met' if min(core, via) >= 50_000 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Incremental decoding of one request's output ids, batched over every request of a step.
+
+The decode window follows SGLang's DetokenizerManager: a request keeps the ids from its
+*surrogate offset* on; `read` marks how many of them are already turned into sent text. Each step
+decodes `ids[surr:]` and `ids[surr:read]` and the new text is the difference. Decoding a window
+rather than a single token keeps decoders that look at neighbours (byte-level BPE merging bytes of
+one character, Metaspace/Strip dropping the leading space of the first token) correct.
+
+The new text is committed (and the window slides: surr <- read, read <- end) only when it
+  - is not empty (so the window's committed part always holds a token the decoder sees, which keeps
+    "first token" rules such as Metaspace's leading-space strip aligned with the full decode),
+  - does not end in U+FFFD (an incomplete UTF-8 sequence that later bytes may complete), and
+  - does not end in a byte-fallback token `<0xNN>` (skipped special tokens aside): the ByteFallback
+    decoder turns a whole run of byte tokens into U+FFFDs if the run is invalid, so a run must be
+    decoded in one piece.
+Otherwise the text is held and the window grows. At finish everything is flushed.
+Under these rules concatenated deltas equal `TextTokenizer.decode(all ids)`; the property tests in
+tests/detokenizer/test_decode_state.py check it for byte-level and byte-fallback tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ringserve.text_tokenizer import TextTokenizer
+
+REPLACEMENT = "\ufffd"
+# A window that keeps ending in U+FFFD (invalid UTF-8, i.e. garbage output) is committed anyway
+# past this many ids, so decode work per step stays bounded. Below it, no U+FFFD is ever sent early.
+MAX_WINDOW = 256
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+@dataclass(slots=True)
+class DecodeState:
+    """Decode window of one request (output ids only; the prompt is never decoded)."""
+
+    skip_special_tokens: bool = True
+    ids: list[int] = field(default_factory=list)  # output ids from the surrogate offset on
+    read: int = 0  # ids[:read] are already turned into committed text
+    surr_text: str | None = ""  # decode(ids[:read]), None when it must be decoded again
+
+    def append(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+
+
+class DecodeJob(NamedTuple):
+    state: DecodeState
+    final: bool  # flush everything: the request finished
+
+
+def byte_fallback_ids(tok: TextTokenizer) -> frozenset[int]:
+    """Ids of `<0xNN>` tokens when the decoder has ByteFallback (else none)."""
+    decoder = json.loads(tok.tokenizer.to_str()).get("decoder") or {}
+    if "ByteFallback" not in json.dumps(decoder):
+        return frozenset()
+    vocab = tok.tokenizer.get_vocab(with_added_tokens=False)
+    return frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.match(t))
+
+
+class IncrementalDecoder:
+    """Turns the new ids of many requests into new text with two batched decode calls per flag."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.hold_ids = byte_fallback_ids(tokenizer)
+        self.special_ids = tokenizer.special_ids
+
+    def step(self, jobs: list[DecodeJob]) -> list[str]:
+        """New committed text for each job, in order."""
+        out = [""] * len(jobs)
+        for skip in (True, False):
+            idx = [i for i, j in enumerate(jobs) if j.state.skip_special_tokens is skip]
+            if idx:
+                self._decode_group([jobs[i] for i in idx], skip, out, idx)
+        return out
+
+    def _decode_group(self, jobs: list[DecodeJob], skip: bool, out: list[str], idx: list[int]) -> None:
+        full = self.tokenizer.decode_batch([j.state.ids for j in jobs], skip_special_tokens=skip)
+        need = [k for k, j in enumerate(jobs) if j.state.surr_text is None]
+        if need:
+            surr = self.tokenizer.decode_batch([jobs[k].state.ids[:jobs[k].state.read] for k in need],
+                                               skip_special_tokens=skip)
+            for k, text in zip(need, surr):
+                jobs[k].state.surr_text = text
+        for k, job in enumerate(jobs):
+            out[idx[k]] = self._commit(job, full[k])
+
+    def _commit(self, job: DecodeJob, full: str) -> str:
+        st = job.state
+        prev = st.surr_text or ""
+        new = full[len(prev):]
+        if job.final:
+            st.ids, st.read, st.surr_text = [], 0, ""
+            return new
+        if not new:
+            return ""
+        incomplete = new[-1] == REPLACEMENT or (bool(self.hold_ids) and self._ends_in_byte_run(st))
+        if incomplete and len(st.ids) <= MAX_WINDOW:
+            return ""
+        # Slide the window: what was read becomes the surrogate context for the next decode.
+        del st.ids[:st.read]
+        st.read = len(st.ids)
+        st.surr_text = None
+        return new
+
+    def _ends_in_byte_run(self, st: DecodeState) -> bool:
+        """Is the last id the decoder sees a byte-fallback token? Skipped special tokens are
+        removed before decoding, so they do not end a run of byte tokens."""
+        for i in reversed(st.ids):
+            if st.skip_special_tokens and i in self.special_ids:
+                continue
+            return i in self.hold_ids
+        return False

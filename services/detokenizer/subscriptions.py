@@ -1,0 +1,113 @@
+"""Routing of text batches to tokenizer replicas: one bounded queue per subscribed owner.
+
+- A subscriber's queue is bounded; `publish` awaits when it is full, which stops the Push stream
+  from being read, which backpressures the scheduler through gRPC flow control.
+- A second subscriber for the same owner replaces the first (the old stream ends).
+- Batches for an owner with no subscriber go to a bounded backlog that the next subscriber gets
+  first; beyond the bound they are dropped with a log line (the resync that every new subscriber
+  triggers re-sends them). The number of owners with a backlog is bounded too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Closed:
+    """Queue marker: the subscription ended (replaced or draining)."""
+
+
+CLOSED = _Closed()
+
+
+class Subscription(Generic[T]):
+    def __init__(self, owner: str, maxsize: int) -> None:
+        self.owner = owner
+        self.queue: asyncio.Queue[T | _Closed] = asyncio.Queue(maxsize=maxsize)
+        self.closed = False
+
+    async def get(self) -> T | None:
+        """Next batch, or None once the subscription is closed."""
+        item = await self.queue.get()
+        return None if isinstance(item, _Closed) else item
+
+    def close(self, drop_pending: bool) -> None:
+        """End the stream; a replaced subscriber's pending items are dropped (resync re-sends)."""
+        if self.closed:
+            return
+        self.closed = True
+        if drop_pending:
+            while not self.queue.empty():
+                self.queue.get_nowait()
+        if self.queue.full():  # draining: make room for the marker by dropping the oldest item
+            self.queue.get_nowait()
+            log.warning("owner=%s one queued batch dropped at close", self.owner)
+        self.queue.put_nowait(CLOSED)
+
+
+class Subscriptions(Generic[T]):
+    def __init__(self, queue_size: int = 256, backlog_size: int = 1024, max_backlog_owners: int = 64,
+                 on_change: Callable[[int], None] | None = None) -> None:
+        self.queue_size = queue_size
+        self.backlog_size = backlog_size
+        self.max_backlog_owners = max_backlog_owners
+        self.subs: dict[str, Subscription[T]] = {}
+        self.backlogs: OrderedDict[str, deque[T]] = OrderedDict()
+        self._on_change = on_change or (lambda n: None)
+
+    def __len__(self) -> int:
+        return len(self.subs)
+
+    def subscribe(self, owner: str) -> Subscription[T]:
+        old = self.subs.get(owner)
+        if old is not None:
+            log.info("owner=%s new subscriber replaces the previous one", owner)
+            old.close(drop_pending=True)
+        sub: Subscription[T] = Subscription(owner, self.queue_size)
+        for item in self.backlogs.pop(owner, ()):
+            if sub.queue.full():
+                break
+            sub.queue.put_nowait(item)
+        self.subs[owner] = sub
+        self._on_change(len(self.subs))
+        return sub
+
+    def unsubscribe(self, sub: Subscription[T]) -> None:
+        """Called when a Subscribe stream ends; a no-op if it was already replaced."""
+        sub.close(drop_pending=True)
+        if self.subs.get(sub.owner) is sub:
+            del self.subs[sub.owner]
+            self._on_change(len(self.subs))
+
+    async def publish(self, owner: str, item: T) -> None:
+        sub = self.subs.get(owner)
+        if sub is not None and not sub.closed:
+            await sub.queue.put(item)  # waits while the subscriber is slow: backpressure
+            return
+        backlog = self.backlogs.get(owner)
+        if backlog is None:
+            if len(self.backlogs) >= self.max_backlog_owners:
+                gone, dropped = self.backlogs.popitem(last=False)
+                log.warning("owner=%s backlog of %d batches dropped (too many owners without a "
+                            "subscriber)", gone, len(dropped))
+            backlog = self.backlogs[owner] = deque()
+        if len(backlog) >= self.backlog_size:
+            backlog.popleft()
+            log.warning("owner=%s has no subscriber: backlog full (%d), oldest batch dropped",
+                        owner, self.backlog_size)
+        backlog.append(item)
+
+    def close_all(self) -> None:
+        """Draining: every stream ends after what is already queued."""
+        for sub in list(self.subs.values()):
+            sub.close(drop_pending=False)
+        self.subs.clear()
+        self._on_change(0)

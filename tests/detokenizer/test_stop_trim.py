@@ -1,0 +1,113 @@
+"""Stop strings: hold back, trim at the match, never send text past a stop."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringserve.text_tokenizer import TextTokenizer
+from services.detokenizer.detokenizer import Detokenizer
+from services.detokenizer.messages import DecodeParams, Finish, TextDelta
+from services.detokenizer.stop_trim import StopTrimmer, held_suffix_len
+
+from conftest import run_request, split  # type: ignore[import-not-found]
+
+
+def scheduler_stop(tok: TextTokenizer, ids: list[int], stops: list[str]) -> tuple[list[int], Finish, str]:
+    """What the scheduler does: stop after the first token whose output text contains a stop."""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k])
+        for s in stops:
+            if s in text:
+                return ids[:k], Finish("stop", matched_str=s), text
+    return ids, Finish("length"), tok.decode(ids)
+
+
+def stream(tok: TextTokenizer, text: str, stops: list[str], sizes: list[int] | None = None,
+           no_stop_trim: bool = False) -> tuple[list[TextDelta], Finish, str]:
+    ids, finish, full = scheduler_stop(tok, tok.encode(text, add_special_tokens=False), stops)
+    params = DecodeParams(owner="o", stop=tuple(stops), no_stop_trim=no_stop_trim)
+    deltas = run_request(Detokenizer(tok), split(ids, sizes or [1]), params, finish)
+    return deltas, finish, full
+
+
+def out(deltas: list[TextDelta]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+def test_stop_split_across_steps(tiny_tok: TextTokenizer) -> None:
+    stop = "brown fox"
+    ids = tiny_tok.encode("the quick brown fox jumps", add_special_tokens=False)
+    cut, _, _ = scheduler_stop(tiny_tok, ids, [stop])
+    assert len(tiny_tok.encode(" " + stop, add_special_tokens=False)) >= 2  # really spans tokens
+    for sizes in ([1], [2], [1, 2]):
+        deltas, finish, full = stream(tiny_tok, "the quick brown fox jumps", [stop], sizes)
+        assert out(deltas) == "the quick "
+        assert deltas[-1].finish == finish and finish.matched_str == stop
+        assert all("b" not in d.text for d in deltas)  # never a byte of the stop before the finish
+
+
+def test_stop_inside_multibyte_character(tiny_tok: TextTokenizer, sp_tok: TextTokenizer) -> None:
+    for tok in (tiny_tok, sp_tok):
+        for stop in ("🦀", "京🦀", "😀x"):
+            text = f"ab 東京🦀😀xyz tail"
+            deltas, finish, _ = stream(tok, text, [stop])
+            assert finish.matched_str == stop
+            assert out(deltas) == text[:text.find(stop)]
+            assert all("\ufffd" not in d.text for d in deltas)
+
+
+def test_overlapping_stop_strings(tiny_tok: TextTokenizer) -> None:
+    text = "one two three four"
+    deltas, finish, _ = stream(tiny_tok, text, ["two three", "o t"])
+    assert finish.matched_str == "o t"  # completes first
+    assert out(deltas) == "one tw"
+    deltas, finish, _ = stream(tiny_tok, text, ["three four", "thr"])
+    assert finish.matched_str == "thr" and out(deltas) == "one two "
+
+
+def test_no_stop_trim_keeps_the_stop(tiny_tok: TextTokenizer) -> None:
+    deltas, finish, full = stream(tiny_tok, "say hello world and more", ["lo wor"], [2], no_stop_trim=True)
+    assert out(deltas) == "say hello wor"
+    assert full.startswith(out(deltas))
+
+
+def test_stop_token_dropped_unless_no_stop_trim(tiny_tok: TextTokenizer) -> None:
+    ids = tiny_tok.encode("hi there", add_special_tokens=False) + [1]  # </s>
+    for keep, want in ((False, "hi there"), (True, "hi there</s>")):
+        params = DecodeParams(owner="o", skip_special_tokens=False, no_stop_trim=keep)
+        deltas = run_request(Detokenizer(tiny_tok), split(ids, [1]), params, Finish("stop", matched_token=1))
+        assert out(deltas) == want
+        assert [i for d in deltas for i in d.ids] == ids  # the id is still reported
+
+
+def test_non_streaming_gets_one_delta(tiny_tok: TextTokenizer) -> None:
+    ids = tiny_tok.encode("all at once 東京", add_special_tokens=False)
+    params = DecodeParams(owner="o", stream=False, stop=("once",))
+    deltas = run_request(Detokenizer(tiny_tok), split(ids, [2]), params, Finish("length"))
+    assert len(deltas) == 1
+    assert deltas[0].text == "all at once 東京" and deltas[0].ids == ids
+    assert deltas[0].token_offset == 0 and deltas[0].text_offset == 0
+
+
+def test_held_suffix_len() -> None:
+    assert held_suffix_len("xab", ("abc",)) == 2
+    assert held_suffix_len("xabc", ("abc",)) == 0  # a complete stop without a finish is released
+    assert held_suffix_len("xa", ("abc", "ax")) == 1
+    t = StopTrimmer(("abc",), False)
+    assert t.feed("xa") == "x" and t.feed("b") == "" and t.feed("d") == "abd"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet="ab 東🦀é\u0301", min_size=1, max_size=30),
+       stops=st.lists(st.text(alphabet="ab 東🦀é\u0301", min_size=1, max_size=4), min_size=1, max_size=3),
+       sizes=st.lists(st.integers(1, 4), min_size=1, max_size=5), keep=st.booleans())
+def test_stop_property(tiny_tok: TextTokenizer, text: str, stops: list[str], sizes: list[int], keep: bool) -> None:
+    deltas, finish, full = stream(tiny_tok, text, stops, sizes, no_stop_trim=keep)
+    got = out(deltas)
+    if finish.matched_str is None:
+        assert got == full
+    else:
+        s = finish.matched_str
+        want = full[:full.find(s) + (len(s) if keep else 0)]
+        assert got == want
