@@ -49,15 +49,39 @@ def sampling_from_openai(req: SamplingExtras, max_tokens: int | None) -> common_
                         ("regex", req.regex), ("ebnf", req.ebnf), ("json_schema", req.json_schema)):
         if value is not None:
             setattr(sp, name, value)
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        sp.json_schema = '{"type": "object"}'
-    elif fmt is not None and fmt.type == "json_schema":
-        schema = (fmt.json_schema or {}).get("schema")
-        if schema is None:
-            raise GatewayError(400, "response_format.json_schema.schema: required", param="response_format")
-        sp.json_schema = json.dumps(schema)
+    schema = response_format_schema(req)
+    if schema is not None:
+        sp.json_schema = schema
     return sp
+
+
+# response_format json_object: any JSON object. A schema rather than a backend's built-in JSON
+# grammar: it keeps the wire backend-neutral (sampling_params.json_schema) and, unlike xgrammar's
+# builtin grammar, excludes a top-level array or scalar, as OpenAI's JSON mode does.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def response_format_schema(req: SamplingExtras) -> str | None:
+    """The sampling_params.json_schema that req.response_format asks for, or None for none/text."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    other = [n for n in ("json_schema", "regex", "ebnf") if getattr(req, n) is not None]
+    if other:
+        raise GatewayError(400, f"response_format: cannot be combined with {other[0]}", param="response_format")
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise GatewayError(400, "response_format.json_schema.schema: required for type json_schema",
+                           param="response_format.json_schema.schema")
+    return json.dumps(fmt.json_schema.schema_, separators=(",", ":"))
+
+
+def openai_param_map(base: dict[str, str], req: SamplingExtras) -> dict[str, str]:
+    """base, except that a schema the scheduler rejects is blamed on response_format when it came from there."""
+    if req.response_format is None or req.response_format.type == "text":
+        return base
+    return {**base, "sampling_params.json_schema": "response_format"}
 
 
 def sampling_from_native(sp_in: NativeSamplingParams | None) -> common_pb2.SamplingParams:

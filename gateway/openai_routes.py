@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.convert import (CHAT_PARAMS, OPENAI_PARAMS, chat_input, sampling_from_openai, set_prompt,
-                             split_prompt)
+from gateway.convert import (CHAT_PARAMS, OPENAI_PARAMS, chat_input, openai_param_map, sampling_from_openai,
+                             set_prompt, split_prompt)
 from gateway.errors import GatewayError
 from gateway.openai_render import RenderSpec, render_full, render_stream
 from gateway.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -64,7 +64,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     echo: list[str] = []
     if body.echo:
         echo = [p if isinstance(p, str) else await state.backend.detokenize(p) for p in prompts]
-    spec = RenderSpec(rid=rid, model=model, n=body.n, chat=False, param_map=OPENAI_PARAMS,
+    spec = RenderSpec(rid=rid, model=model, n=body.n, chat=False,
+                      param_map=openai_param_map(OPENAI_PARAMS, body),
                       logprobs=body.logprobs is not None, echo=echo,
                       include_usage=bool(body.stream_options and body.stream_options.include_usage))
     return await _run(request, state, spec, reqs, body.stream)
@@ -82,7 +83,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         raise GatewayError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
     req = pb.GenerateRequest(rid=rid, chat=chat_input(body), sampling_params=sampling_from_openai(body, max_tokens),
                              stream=body.stream, return_logprob=body.logprobs, top_logprobs_num=top)
-    spec = RenderSpec(rid=rid, model=model, n=body.n, chat=True, param_map=CHAT_PARAMS, logprobs=body.logprobs,
+    spec = RenderSpec(rid=rid, model=model, n=body.n, chat=True, param_map=openai_param_map(CHAT_PARAMS, body),
+                      logprobs=body.logprobs,
                       include_usage=bool(body.stream_options and body.stream_options.include_usage))
     return await _run(request, state, spec, [req], body.stream)
 

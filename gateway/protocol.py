@@ -23,9 +23,21 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema. `strict` is accepted and ignored: the schema is always enforced
+    strictly (no properties or items the schema does not name)."""
+
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema (an object).")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
+    """text: no constraint; json_object: any JSON object; json_schema: JSON valid for json_schema.schema."""
+
     type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingExtras(_Request):

@@ -1,0 +1,143 @@
+"""The whole stack through its public faces: parity, the openai client, disconnects, metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from ringserve.text_tokenizer import TextTokenizer
+from ringserve.v1 import api_pb2_grpc
+from tests.e2e.grpc_client import server_info
+from tests.e2e.stack import Stack, running_stack
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "Once upon a time", "def fibonacci(n):", "你好，世界！今天天气很好", "emoji 🧬🦊 and accents é ñ",
+    "import os\nimport sys\n", "The quick brown fox jumps over the lazy dog. " * 6,
+    "class Foo:\n    def __init__(self):", "a", "上海 北京 深圳 广州 杭州",
+    "Once upon a time there was",  # shares a prefix with the first prompt
+]
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: str):
+    with running_stack(model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str) -> dict[str, list[int]]:
+    """transformers greedy outputs, 32 new tokens each (EOS ignored)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = TextTokenizer.from_model(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    out = {}
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p)])
+        gen = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        out[p] = gen[0, ids.shape[1]:].tolist()
+    return out
+
+
+def test_concurrent_greedy_equals_transformers(stack: Stack, reference: dict[str, list[int]],
+                                              model_dir: str) -> None:
+    tok = TextTokenizer.from_model(model_dir)
+    bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}
+              for p in PROMPTS * 4]  # 40 concurrent requests, duplicates share prefixes
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:
+        outs = list(pool.map(stack.generate, bodies))
+    for body, out in zip(bodies, outs):
+        assert out["output_ids"] == reference[body["text"]], body["text"]
+        assert out["text"] == tok.decode(out["output_ids"])
+
+
+def test_openai_client_stream_equals_non_stream(stack: Stack) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, prompt="Hello there", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == full.choices[0].text
+    assert [c.usage for c in chunks if c.usage][-1].completion_tokens == full.usage.completion_tokens
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_closing_streams_frees_the_scheduler(stack: Stack) -> None:
+    body = {"text": "cancel me", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    started = threading.Barrier(17)
+
+    def open_and_drop() -> None:
+        with httpx.stream("POST", f"{stack.gateway_url}/generate", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break
+            started.wait(30)
+        # Leaving the block closes the connection mid-generation.
+
+    threads = [threading.Thread(target=open_and_drop) for _ in range(16)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    for t in threads:
+        t.join(30)
+    with grpc.insecure_channel(stack.tokenizer) as ch:
+        stub = api_pb2_grpc.InferenceServiceStub(ch)
+        deadline = time.monotonic() + 10
+        while True:
+            info = server_info(stub)
+            if info.num_running_reqs == 0 and info.num_queue_reqs == 0 and info.rid_to_state_size == 0:
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.2)  # polling a counter that is expected to drain, not waiting for readiness
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of every sample per metric name (labels ignored)."""
+    sums: dict[str, float] = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})? ([-+\deE.naNinf]+)$", line)
+        if m:
+            sums[m.group(1)] = sums.get(m.group(1), 0.0) + float(m.group(2))
+    return sums
+
+
+def test_every_service_exports_moving_metrics(stack: Stack) -> None:
+    urls = {
+        "gateway": f"{stack.gateway_url}/metrics",
+        "tokenizer": f"http://127.0.0.1:{stack.ports['tok_metrics']}/metrics",
+        "scheduler": f"http://127.0.0.1:{stack.ports['sched_metrics']}/metrics",
+        "detokenizer": f"http://127.0.0.1:{stack.ports['detok_metrics']}/metrics",
+    }
+    before = {k: scrape(u) for k, u in urls.items()}
+    stack.generate({"text": "metrics", "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}})
+    after = {k: scrape(u) for k, u in urls.items()}
+    moving = {
+        "tokenizer": ["sglang:generation_tokens_total", "sglang:prompt_tokens_total",
+                      "sglang:num_requests_total", "sglang:e2e_request_latency_seconds_count",
+                      "sglang:time_to_first_token_seconds_count"],
+        "scheduler": ["sglang:queue_time_seconds_count"],
+        "detokenizer": ["ringserve_detokenizer_tokens_decoded_total",
+                        "ringserve_detokenizer_step_decode_seconds_count"],
+        "gateway": ["ringserve_gateway_http_requests_total"],
+    }
+    for svc, names in moving.items():
+        for name in names:
+            assert after[svc].get(name, 0) > before[svc].get(name, 0), (svc, name)
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+                 "sglang:cache_hit_rate", "sglang:max_total_num_tokens", "sglang:gen_throughput"):
+        assert name in after["scheduler"], name
