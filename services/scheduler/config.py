@@ -1,0 +1,66 @@
+"""Scheduler configuration: engine settings, then the service around them (flags / RINGSERVE_* env)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, fields
+
+from ringserve.text_tokenizer import default_model
+
+
+def _h(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the in-process Engine needs (tests and benchmarks build this directly)."""
+
+    model: str = field(default_factory=default_model, metadata=_h("model directory or hub id"))
+    device: str | None = field(default=None, metadata=_h("cpu, cuda or cuda:N (default: cuda if present)"))
+    dtype: str = field(default="auto", metadata=_h("weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)"))
+    max_total_tokens: int | None = field(default=None, metadata=_h("KV pool size in tokens (default: from memory)"))
+    mem_fraction: float = field(default=0.85, metadata=_h("share of free GPU memory for the KV pool"))
+    max_running_requests: int = field(default=256, metadata=_h("most requests in the running batch"))
+    max_prefill_tokens: int = field(default=16384, metadata=_h("most prompt tokens in one prefill batch"))
+    chunked_prefill_size: int = field(default=4096, metadata=_h("prefill chunk size; 0 disables chunking"))
+    schedule_policy: str = field(default="fcfs", metadata=_h("fcfs or lpm (longest prefix match first)"))
+    max_queued_requests: int = field(default=4096, metadata=_h("most waiting requests before intake refuses"))
+    context_length: int | None = field(default=None, metadata=_h("override the model's context length"))
+    disable_cuda_graph: bool = field(default=False, metadata=_h("run decode eagerly on CUDA"))
+    cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
+    disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
+    num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not fcfs or lpm")
+        for name in ("max_running_requests", "max_prefill_tokens", "max_queued_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        if self.chunked_prefill_size < 0:
+            raise ValueError("chunked_prefill_size: must be >= 0")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError("max_total_tokens: must be >= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerServerConfig(EngineConfig):
+    """The SchedulerService process: `python -m services.scheduler`."""
+
+    host: str = field(default="127.0.0.1", metadata=_h("gRPC bind address"))
+    port: int = field(default=50052, metadata=_h("gRPC port"))
+    metrics_port: int = field(default=9092, metadata=_h("Prometheus /metrics port; -1 disables"))
+    detokenizer: str = field(default="127.0.0.1:50053", metadata=_h("detokenizer HOST:PORT to push to"))
+    scheduler_id: str = field(default="", metadata=_h("id sent to the detokenizer (default: host-pid)"))
+    grace_period_s: float = field(default=30.0, metadata=_h("on SIGTERM, time given to running requests"))
+    load_report_interval_s: float = field(default=0.5, metadata=_h("LoadReport period on Connect streams"))
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
+
+    @property
+    def id(self) -> str:
+        return self.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,111 @@
+"""One request inside the scheduler: its ids, where its KV lives, and how far it got.
+
+KV ownership (page size 1, as in SGLang): `req_to_token[req_pool_idx, :kv_len]` holds the KV slots of
+the first `kv_len` tokens of `fill_ids`. The first `len(prefix_indices)` of them belong to the radix
+cache (kept alive by a lock on `last_node`); the rest belong to the request until it releases them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.scheduler.sampling import SamplingParams
+
+
+@dataclass
+class FinishInfo:
+    """Why a request ended (mirrors the proto FinishReason)."""
+
+    type: str                         # "stop" | "length" | "abort"
+    matched_token: int | None = None
+    matched_str: str | None = None
+    message: str = ""
+    status_code: int = 0              # google.rpc.Code for aborts; 0 is a clean abort
+
+
+@dataclass
+class ReqTimings:
+    """Monotonic clock marks; durations are derived when the request finishes."""
+
+    arrival: float = 0.0              # time.monotonic() at submit
+    sent_at: float = 0.0              # unix time the tokenizer sent it (0 if unknown)
+    first_scheduled: float = 0.0      # first prefill chunk started
+    prefill_s: float = 0.0            # summed prefill forward time attributed to it
+    last_token: float = 0.0           # last token sampled
+
+    @property
+    def queue_s(self) -> float:
+        return max(0.0, self.first_scheduled - self.arrival) if self.first_scheduled else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return max(0.0, self.last_token - self.first_scheduled) if self.first_scheduled else 0.0
+
+
+@dataclass(eq=False)  # identity equality: reqs live in lists and sets by object
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    params: SamplingParams
+    owner: str = ""
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    # The chosen token's logprob and its top alternatives, per output token (when asked for).
+    output_logprobs: list[float | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+    # KV state.
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor | None = None   # [P] int64 slots owned by the radix cache
+    last_node: Any = None                         # radix node locked for prefix_indices
+    kv_len: int = 0                               # tokens of fill_ids with KV in the pool
+    fill_ids: list[int] = field(default_factory=list)  # tokens to prefill: prompt (+ output on recompute)
+    cached_tokens: int = 0                        # prompt tokens served from the prefix cache (max seen)
+
+    finished_reason: FinishInfo | None = None
+    generator: torch.Generator | None = None
+    timings: ReqTimings = field(default_factory=ReqTimings)
+    sent_offset: int = 0            # output ids already emitted
+    params_sent: bool = False       # DecodeParams went out with an earlier delta
+    num_retractions: int = 0
+    # Text tail decoded for stop strings (set by finish.py when the request has stop strings).
+    stop_tail_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.fill_ids:
+            self.fill_ids = list(self.origin_input_ids)
+        if not self.timings.arrival:
+            self.timings.arrival = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus output: the tokens the request's sequence holds (the last one has no KV yet)."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def extend_remaining(self) -> int:
+        """fill_ids tokens still to prefill."""
+        return len(self.fill_ids) - self.kv_len
+
+    def reset_for_recompute(self) -> None:
+        """After retraction: the prompt becomes prompt + output so far; KV is gone."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        self.req_pool_idx = None
+        self.prefix_indices = None
+        self.last_node = None
+        self.kv_len = 0
+        self.num_retractions += 1

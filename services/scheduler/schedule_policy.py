@@ -1,0 +1,119 @@
+"""Which waiting requests go into the next prefill: their order (fcfs, lpm) and the budgets.
+
+`PrefillAdder` takes requests in order until one does not fit: the prefill token budget
+(--max-prefill-tokens), the chunk budget (--chunked-prefill-size: the request that crosses it is cut
+and finished in later steps), the running-request limit, and the KV pool, minus what the running
+requests are expected to still need (`new_token_ratio` of their remaining max_new_tokens, as SGLang
+estimates it, so that admitting prefills rarely forces a retraction).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+import torch
+
+from services.scheduler.kv_manager import KVManager
+from services.scheduler.req import Req
+
+POLICIES = ("fcfs", "lpm")
+LPM_MAX_QUEUE = 128       # matching every waiting request is O(queue); beyond this lpm acts as fcfs
+RESERVE_CLIP = 4096       # cap on one request's reserved future tokens
+
+# SGLang's defaults for the estimate of how many of max_new_tokens a request will really use.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+
+
+def order_waiting(waiting: deque[Req], policy: str, kv: KVManager) -> None:
+    """Sort the queue in place for this step; matches prefixes (lpm needs them; fcfs gets them at add)."""
+    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+        for req in waiting:
+            if req.req_pool_idx is None:
+                kv.match(req)
+        # Stable: equal matches keep arrival order. A chunked request in progress stays first.
+        ranked = sorted(waiting, key=lambda r: (r.req_pool_idx is None, -_prefix_len(r)))
+        waiting.clear()
+        waiting.extend(ranked)
+
+
+def _prefix_len(req: Req) -> int:
+    return 0 if req.prefix_indices is None else int(req.prefix_indices.numel())
+
+
+def reserved_tokens(req: Req, ratio: float) -> int:
+    """Tokens the request is expected to still write during decode."""
+    left = max(0, req.params.max_new_tokens - len(req.output_ids))
+    return int(min(left, RESERVE_CLIP) * ratio)
+
+
+AddResult = Literal["added", "chunked", "stop"]
+
+
+class PrefillAdder:
+    def __init__(self, kv: KVManager, running: list[Req], max_prefill_tokens: int,
+                 chunked_prefill_size: int, max_running_requests: int, new_token_ratio: float) -> None:
+        self.kv = kv
+        self.ratio = new_token_ratio
+        self.running_empty = not running
+        self.rem_total = kv.available() - sum(reserved_tokens(r, new_token_ratio) for r in running)
+        self.rem_input = max_prefill_tokens
+        self.rem_chunk = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.can_run = max_running_requests - len(running)
+        self.reqs: list[Req] = []
+        self.extend_lens: list[int] = []
+        self.slots: list[torch.Tensor] = []   # [extend_len] int64 KV slots per added request
+        self.chunked: Req | None = None
+
+    def add(self, req: Req) -> AddResult:
+        """Try to add req, allocating its KV slots now. "stop" means take no more this step."""
+        continuing = req.req_pool_idx is not None  # a chunked request from an earlier step
+        if not continuing:
+            if self.can_run <= 0:
+                return "stop"
+            self.kv.match(req)  # always fresh: an older match may point at evicted slots
+            prefix_len = _prefix_len(req)
+        else:
+            prefix_len = req.kv_len
+        extend = len(req.fill_ids) - prefix_len
+        budget = self.rem_input if self.rem_chunk is None else min(self.rem_input, self.rem_chunk)
+        first = not self.reqs
+        if extend <= budget or (first and self.rem_chunk is None):
+            need = extend + reserved_tokens(req, self.ratio)
+            # With nothing running and nothing taken, only the prompt itself must fit: progress is
+            # always possible for a request that fits the pool at all.
+            fits = need <= self.rem_total or (first and self.running_empty and extend <= self.kv.available())
+            if not fits:
+                return "stop"
+            take, result = extend, "added"
+        elif self.rem_chunk is None:
+            return "stop"  # over the prefill budget and not first: next step
+        else:
+            take = min(budget, self.rem_total)
+            if take <= 0:
+                return "stop"
+            result = "chunked"
+        before = self.kv.available()
+        if not continuing and not self.kv.begin(req):  # locks the prefix so allocation cannot evict it
+            return "stop"
+        slots = self.kv.alloc(take)
+        if slots is None:
+            if not continuing:
+                self.kv.release(req, cache=False)
+            return "stop"
+        self.reqs.append(req)
+        self.extend_lens.append(take)
+        self.slots.append(slots)
+        # Locking the prefix also took it out of what is evictable: charge what really went.
+        self.rem_total -= (before - self.kv.available()) + (
+            reserved_tokens(req, self.ratio) if result == "added" else 0)
+        self.rem_input -= take
+        if self.rem_chunk is not None:
+            self.rem_chunk -= take
+        self.can_run -= 1
+        if result == "chunked":
+            self.chunked = req
+            return "chunked"
+        return "added" if self.rem_input > 0 and (self.rem_chunk is None or self.rem_chunk > 0) else "stop"

@@ -1,0 +1,256 @@
+"""The scheduling loop: waiting queue -> (chunked) prefill -> running batch -> decode, one step at a time.
+
+`step()` is the whole loop body: schedule a prefill within the budgets, else decode every running
+request (retracting some if the KV pool is short); run the forward; sample; append tokens, decide
+finishes, release KV; return what to emit. Not thread-safe: the Engine serializes calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from services.scheduler.decode import build_decode_batch
+from services.scheduler.finish import FinishChecker
+from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.kv_manager import KVManager
+from services.scheduler.outputs import ReqOutput, make_output
+from services.scheduler.prefill import build_extend_batch
+from services.scheduler.req import FinishInfo, Req
+from services.scheduler.retract import retract_for_decode
+from services.scheduler.sampling import SamplingBatchInfo, make_generator, sample
+from services.scheduler.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
+                                                NEW_TOKEN_RATIO_DECAY, PrefillAdder, order_waiting)
+
+RECENT_FINISHED_S = 60.0
+RECENT_FINISHED_MAX = 4096
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (the metrics and tests read them)."""
+
+    prefill_tokens: int = 0       # tokens computed by prefill forwards (cached prefixes excluded)
+    prompt_tokens: int = 0        # prompt tokens of requests at their first prefill
+    cached_prompt_tokens: int = 0 # of which served from the radix cache
+    generated_tokens: int = 0
+    retractions: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    finished: int = 0
+
+
+@dataclass
+class Batch:
+    reqs: list[Req]
+    forward: ForwardBatch
+    sample_rows: list[int]     # rows whose logits yield a token (not a mid-prompt chunk)
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, runner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
+                 max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.finisher = finisher
+        self.policy = schedule_policy
+        self.max_running = min(max_running_requests, kv.req_pool.size)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.device = runner.device
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None   # mid-prefill; continues first in the next prefill
+        self.recent: deque[tuple[float, Req]] = deque(maxlen=RECENT_FINISHED_MAX)
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = SchedulerStats()
+        self._emit: list[ReqOutput] = []
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[ReqOutput]:
+        batch = self.schedule_prefill() or self.schedule_decode()
+        if batch is not None:
+            t0 = time.monotonic()
+            logits = self.runner.forward(batch.forward)  # [B, V]
+            next_ids = self.sample(batch, logits)
+            self.process_results(batch, next_ids, time.monotonic() - t0)
+        out, self._emit = self._emit, []
+        return out
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def schedule_prefill(self) -> Batch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        order_waiting(self.waiting, self.policy, self.kv)
+        adder = PrefillAdder(self.kv, self.running, self.max_prefill_tokens, self.chunked_prefill_size,
+                             self.max_running, self.new_token_ratio)
+        if self.chunked is not None:
+            req = self.chunked
+            if adder.add(req) != "chunked" and adder.reqs and adder.reqs[-1] is req:
+                self.chunked = None  # its last chunk runs now; it joins the running batch after
+        while self.chunked is None and self.waiting:
+            req = self.waiting[0]
+            res = adder.add(req)
+            if res == "stop" and (not adder.reqs or adder.reqs[-1] is not req):
+                break
+            self.waiting.popleft()
+            if res == "chunked":
+                self.chunked = req
+                break
+            if res == "stop":
+                break
+        if not adder.reqs:
+            return None
+        now = time.monotonic()
+        for req in adder.reqs:
+            if not req.timings.first_scheduled:  # first prefill: count what the cache saved it
+                req.timings.first_scheduled = now
+                req.cached_tokens = req.kv_len
+                self.stats.prompt_tokens += len(req.origin_input_ids)
+                self.stats.cached_prompt_tokens += req.kv_len
+        fb = build_extend_batch(adder.reqs, adder.extend_lens, adder.slots,
+                                self.kv.req_pool.req_to_token, self.device)
+        rows = [i for i, (r, n) in enumerate(zip(adder.reqs, adder.extend_lens)) if r.kv_len + n == len(r.fill_ids)]
+        self.stats.prefill_tokens += sum(adder.extend_lens)
+        self.stats.prefill_steps += 1
+        return Batch(adder.reqs, fb, rows, is_prefill=True)
+
+    def schedule_decode(self) -> Batch | None:
+        if not self.running:
+            return None
+        self.running, retracted = retract_for_decode(self.running, self.kv)
+        if retracted:
+            self.stats.retractions += len(retracted)
+            self.waiting.extendleft(reversed(retracted))  # first in line, in their running order
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        slots = self.kv.alloc(len(self.running))
+        if slots is None and self.chunked is not None:
+            # The mid-prefill request holds the last free KV: send it back to recompute later.
+            self._requeue_chunked()
+            slots = self.kv.alloc(len(self.running))
+        if slots is None:  # one request alone outgrew the pool: end it rather than loop forever
+            req = self.running.pop()
+            self.finish(req, FinishInfo("length"))
+            return self.schedule_decode()
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.stats.decode_steps += 1
+        fb = build_decode_batch(self.running, slots, self.kv.req_pool.req_to_token, self.device)
+        return Batch(list(self.running), fb, list(range(len(self.running))), is_prefill=False)
+
+    def _requeue_chunked(self) -> None:
+        req, self.chunked = self.chunked, None
+        self.kv.release(req, cache=True)
+        req.reset_for_recompute()
+        self.stats.retractions += 1
+        self.waiting.appendleft(req)
+
+    # -- sampling and results ------------------------------------------------------------------
+
+    def sample(self, batch: Batch, logits: torch.Tensor) -> list[int]:
+        rows = batch.sample_rows
+        if not rows:
+            return []
+        reqs = [batch.reqs[i] for i in rows]
+        if len(rows) != len(batch.reqs):
+            logits = logits[rows]
+        finisher = self.finisher
+        info = SamplingBatchInfo.build(
+            [r.params for r in reqs], [r.generator for r in reqs], [r.output_ids for r in reqs],
+            [r.origin_input_ids for r in reqs],
+            [set(finisher.stop_ids_for_min_tokens(r)) if r.params.min_new_tokens > len(r.output_ids) else set()
+             for r in reqs],
+            self.runner.vocab_size, self.device)
+        out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs])
+        for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs):
+            if r.return_logprob:
+                r.output_logprobs.append(lp)
+                r.output_top_logprobs.append(top)
+        return out.next_token_ids
+
+    def process_results(self, batch: Batch, next_ids: list[int], elapsed: float) -> None:
+        now = time.monotonic()
+        if batch.is_prefill:
+            for req, n in zip(batch.reqs, batch.forward.extend_lens):
+                req.kv_len += n
+                req.timings.prefill_s += elapsed
+            still_running = self.running          # prefilled requests join the running batch
+        else:
+            for req in batch.reqs:
+                req.kv_len += 1
+            still_running = []
+        emit = self._emit
+        for row, token in zip(batch.sample_rows, next_ids):
+            req = batch.reqs[row]
+            req.output_ids.append(token)
+            req.timings.last_token = now
+            reason = self.finisher.check(req)
+            if reason is not None:
+                self.finish(req, reason)
+                continue
+            still_running.append(req)
+            if req.stream:
+                emit.append(make_output(req))
+        self.stats.generated_tokens += len(next_ids)
+        self.running = still_running
+
+    def finish(self, req: Req, reason: FinishInfo, cache: bool = True) -> None:
+        req.finished_reason = reason
+        self.kv.release(req, cache=cache)
+        self.stats.finished += 1
+        self.recent.append((time.monotonic(), req))
+        self._emit.append(make_output(req, full=not req.stream))
+
+    # -- intake, aborts, resync ------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        if req.params.seed is not None:
+            req.generator = make_generator(req.params.seed, self.device)
+        limit = min(self.finisher.max_seq_len, self.kv.size)
+        if not req.origin_input_ids or len(req.origin_input_ids) >= limit:
+            req.finished_reason = FinishInfo(
+                "abort", message=f"prompt has {len(req.origin_input_ids)} tokens; it must have 1 to "
+                                 f"{limit - 1}", status_code=3)  # INVALID_ARGUMENT
+            self.recent.append((time.monotonic(), req))
+            self._emit.append(make_output(req, full=True))
+            return
+        self.waiting.append(req)
+
+    def abort(self, pred) -> list[Req]:
+        """Remove every request for which pred(req) is true; free its KV now. No output is emitted."""
+        gone = [r for r in self.waiting if pred(r)]
+        if gone:
+            self.waiting = deque(r for r in self.waiting if not pred(r))
+        if self.chunked is not None and pred(self.chunked):
+            gone.append(self.chunked)
+            self.kv.release(self.chunked, cache=False)
+            self.chunked = None
+        keep = []
+        for r in self.running:
+            if pred(r):
+                gone.append(r)
+                self.kv.release(r, cache=False)
+            else:
+                keep.append(r)
+        self.running = keep
+        for r in gone:
+            r.finished_reason = FinishInfo("abort", message="aborted")
+        return gone
+
+    def live_reqs(self) -> list[Req]:
+        chunk = [self.chunked] if self.chunked is not None else []
+        return [*self.running, *chunk, *self.waiting]
+
+    def recent_finished(self) -> list[Req]:
+        cutoff = time.monotonic() - RECENT_FINISHED_S
+        while self.recent and self.recent[0][0] < cutoff:
+            self.recent.popleft()
+        return [r for _, r in self.recent]
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.chunked or self._emit)

@@ -1,0 +1,104 @@
+"""Wiring of the scheduler process: gRPC first (NOT_SERVING), then model load + warm-up, then the push
+stream to the detokenizer; SERVING only while that stream is open. SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ringserve.grpc_server import GrpcService
+from ringserve.metrics_http import start_metrics_server
+from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.config import SchedulerServerConfig
+from services.scheduler.detokenizer_client import DetokenizerPusher
+from services.scheduler.engine import Engine
+from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.outputs import ReqOutput
+from services.scheduler.servicer import SchedulerServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "ringserve.v1.SchedulerService"
+PAGE_SIZE = 1
+
+
+class SchedulerServer:
+    def __init__(self, cfg: SchedulerServerConfig) -> None:
+        self.cfg = cfg
+        self.engine: Engine | None = None
+        self.metrics: SchedulerMetrics | None = None
+        self.draining = False
+        self._push_open = False
+        self.servicer = SchedulerServicer(lambda: self.engine, self._info, cfg.load_report_interval_s)
+        self.grpc: GrpcService | None = None  # grpc.aio objects must be made inside the running loop
+
+    def _info(self) -> scheduler_pb2.GetSchedulerInfoResponse:
+        e, c = self.engine, self.cfg
+        assert e is not None
+        return scheduler_pb2.GetSchedulerInfoResponse(
+            model_path=c.model, device=str(e.runner.device), dtype=str(e.runner.dtype).removeprefix("torch."),
+            max_total_num_tokens=e.max_total_num_tokens, max_running_requests=e.scheduler.max_running,
+            max_prefill_tokens=c.max_prefill_tokens, chunked_prefill_size=c.chunked_prefill_size,
+            context_length=e.runner.context_length, schedule_policy=c.schedule_policy,
+            max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE)
+
+    async def _set_push_state(self, up: bool) -> None:
+        self._push_open = up
+        await self.grpc.set_serving(up and self.engine is not None and not self.draining)
+        log.info("health %s (push stream %s)", "SERVING" if up and not self.draining else "NOT_SERVING",
+                 "open" if up else "down")
+
+    def _on_step(self, outs: list[ReqOutput]) -> None:
+        if self.metrics is None:
+            return
+        for o in outs:
+            if o.finish is not None and o.timings is not None:
+                self.metrics.queue_time.observe(o.timings.queue_s)
+
+    async def _report_metrics(self) -> None:
+        while True:
+            if self.engine is not None and self.metrics is not None:
+                self.metrics.update(self.engine.load())
+            await asyncio.sleep(self.cfg.load_report_interval_s)  # periodic export, not a readiness wait
+
+    async def serve(self) -> int:
+        cfg = self.cfg
+        start_metrics_server(cfg.host, cfg.metrics_port)
+        self.grpc = GrpcService("scheduler", f"{cfg.host}:{cfg.port}", [SERVICE_NAME],
+                                lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, s))
+        await self.grpc.start()
+        t0 = time.monotonic()
+        engine = await asyncio.to_thread(Engine, cfg.engine)
+        log.info("model %s loaded in %.1fs; warming up", cfg.model, time.monotonic() - t0)
+        await asyncio.to_thread(engine.warmup)
+        log.info("warm-up done; KV pool %d tokens", engine.max_total_num_tokens)
+        self.metrics = SchedulerMetrics(cfg.model, PAGE_SIZE, engine.max_total_num_tokens)
+        self.engine = engine
+        loop: EngineLoop | None = None
+        pusher = DetokenizerPusher(cfg.detokenizer, cfg.id, on_connect=lambda: loop.request_resync(None),
+                                   on_resync=lambda owner: loop.request_resync(owner or None),
+                                   on_state=self._set_push_state)
+        loop = EngineLoop(engine, pusher, self._on_step)
+        loop.start()
+        tasks = [asyncio.create_task(pusher.run()), asyncio.create_task(self._report_metrics())]
+        await self.grpc.stopping.wait()
+
+        # Drain: refuse new requests, let running ones finish (up to the grace period), then stop.
+        log.info("SIGTERM: draining (grace %.0fs, %d requests in flight)", cfg.grace_period_s,
+                 engine.load().num_running_reqs + engine.load().num_queue_reqs)
+        self.draining = self.servicer.draining = True
+        await self.grpc.set_serving(False)
+        deadline = time.monotonic() + cfg.grace_period_s
+        while engine.has_work() and time.monotonic() < deadline:
+            await asyncio.to_thread(engine.wait_idle, min(1.0, max(0.0, deadline - time.monotonic())))
+        await asyncio.to_thread(loop.stop)
+        self.servicer.closing = True  # Connect streams end cleanly (OK) at their next wake-up
+        await pusher.flush_and_stop()
+        await asyncio.wait({tasks[0]}, timeout=5.0)  # the push stream delivers the last batches
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.grpc.drain(cfg.load_report_interval_s + 1.0)
+        log.info("scheduler stopped")
+        return 0

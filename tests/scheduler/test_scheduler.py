@@ -1,0 +1,175 @@
+"""The scheduler through the in-process Engine: prefix reuse, aborts, finish rules, streaming, control."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ringserve.text_tokenizer import TextTokenizer
+from services.scheduler.config import EngineConfig
+from services.scheduler.engine import Engine, QueueFull
+from services.scheduler.req import Req
+from services.scheduler.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: str) -> Engine:
+    e = Engine(EngineConfig(model=model_dir, device="cpu", max_total_tokens=6000, max_running_requests=32,
+                            max_queued_requests=8))
+    e.warmup()
+    return e
+
+
+@pytest.fixture(autouse=True)
+def idle_after(engine: Engine):
+    yield
+    assert not engine.has_work()
+    engine.tree.check()
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+def test_shared_prefix_is_served_from_the_radix_cache(engine: Engine) -> None:
+    prefix = rand_ids(400, 1)
+    a, = engine.generate([prefix + rand_ids(10, 2)], greedy(max_new_tokens=4))
+    assert a.cached_tokens == 0
+    before = engine.scheduler.stats.prefill_tokens
+    b_prompt = prefix + rand_ids(20, 3)
+    b, = engine.generate([b_prompt], greedy(max_new_tokens=4))
+    assert b.cached_tokens >= 384
+    # Its prefill computed only what was not cached.
+    assert engine.scheduler.stats.prefill_tokens - before == len(b_prompt) - b.cached_tokens
+    # Same prompt again: all but the last token is cached (logits need one computed token).
+    c, = engine.generate([b_prompt], greedy(max_new_tokens=4))
+    assert c.cached_tokens == len(b_prompt) - 1 and c.output_ids == b.output_ids
+
+
+def test_abort_running_request_frees_its_kv(engine: Engine) -> None:
+    pool = engine.kv.kv_pool
+    free_before = pool.available_size()
+    engine.submit(Req(rid="long", origin_input_ids=rand_ids(50, 4), params=greedy(max_new_tokens=500, ignore_eos=True),
+                      stream=True))
+    for _ in range(5):
+        engine.step()
+    assert pool.available_size() < free_before and engine.load().num_running_reqs == 1
+    engine.abort(["long"])
+    out = engine.step()
+    assert all(o.rid != "long" for o in out)  # nothing more is emitted for an aborted request
+    assert pool.available_size() == free_before
+    assert engine.load().num_running_reqs == 0 and engine.load().num_used_tokens == 0
+
+
+def test_abort_owner_removes_waiting_and_running(engine: Engine) -> None:
+    free_before = engine.kv.kv_pool.available_size()
+    for i in range(3):
+        engine.submit(Req(rid=f"o{i}", owner="tok-A", origin_input_ids=rand_ids(30, 10 + i),
+                          params=greedy(max_new_tokens=300, ignore_eos=True)))
+    engine.submit(Req(rid="other", owner="tok-B", origin_input_ids=rand_ids(30, 20), params=greedy(max_new_tokens=3)))
+    engine.step()
+    engine.abort_owner("tok-A")
+    finished = []
+    while engine.has_work():
+        finished += [o.rid for o in engine.step() if o.finish]
+    assert finished == ["other"]
+    assert engine.kv.kv_pool.available_size() + engine.tree.evictable_size() >= free_before
+
+
+def test_max_new_tokens_and_stop_token_ids(engine: Engine) -> None:
+    prompt = rand_ids(40, 5)
+    base, = engine.generate([prompt], greedy(max_new_tokens=12, ignore_eos=True))
+    assert len(base.output_ids) == 12 and base.finish.type == "length"
+    stop_id = base.output_ids[5]
+    r, = engine.generate([prompt], greedy(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)))
+    first = base.output_ids.index(stop_id)
+    assert r.output_ids == base.output_ids[:first + 1]
+    assert r.finish.type == "stop" and r.finish.matched_token == stop_id
+
+
+def test_min_new_tokens_holds_back_stop_ids(engine: Engine) -> None:
+    prompt = rand_ids(40, 5)
+    base, = engine.generate([prompt], greedy(max_new_tokens=12, ignore_eos=True))
+    stop_id = base.output_ids[0]
+    r, = engine.generate([prompt], greedy(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,),
+                                          min_new_tokens=4))
+    assert len(r.output_ids) >= 4
+    assert stop_id not in r.output_ids[:4]
+    early, = engine.generate([prompt], greedy(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)))
+    assert early.output_ids == [stop_id]
+
+
+def test_stop_string_ends_on_the_token_that_completes_it(engine: Engine, model_dir: str) -> None:
+    tok = TextTokenizer.from_model(model_dir)
+    prompt = tok.encode("你好，世界！The scheduler decides every finish.")
+    base, = engine.generate([prompt], greedy(max_new_tokens=30, ignore_eos=True))
+    text = tok.decode(base.output_ids)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip() and "\ufffd" not in stop
+    r, = engine.generate([prompt], greedy(max_new_tokens=30, ignore_eos=True, stop=(stop,)))
+    assert r.finish.type == "stop" and r.finish.matched_str == stop
+    assert stop in tok.decode(r.output_ids)
+    assert stop not in tok.decode(r.output_ids[:-1])  # no token past the one that completed it
+    assert r.output_ids == base.output_ids[:len(r.output_ids)]
+
+
+def test_streaming_emits_every_step_and_params_once(engine: Engine) -> None:
+    engine.submit(Req(rid="s1", owner="o", origin_input_ids=rand_ids(20, 6), params=greedy(max_new_tokens=5),
+                      stream=True))
+    engine.submit(Req(rid="n1", owner="o", origin_input_ids=rand_ids(20, 7), params=greedy(max_new_tokens=5)))
+    by_rid: dict[str, list] = {"s1": [], "n1": []}
+    while engine.has_work():
+        for o in engine.step():
+            by_rid[o.rid].append(o)
+    s = by_rid["s1"]
+    assert [len(o.ids) for o in s] == [1] * 5 and [o.offset for o in s] == list(range(5))
+    assert s[0].decode_params is not None and all(o.decode_params is None for o in s[1:])
+    assert s[-1].finish is not None and s[-1].timings is not None
+    n, = by_rid["n1"]  # non-streaming: once, at finish, with all ids
+    assert n.offset == 0 and len(n.ids) == 5 and n.finish is not None and n.decode_params is not None
+
+
+def test_resync_returns_full_state(engine: Engine) -> None:
+    engine.submit(Req(rid="r1", owner="own", origin_input_ids=rand_ids(20, 8),
+                      params=greedy(max_new_tokens=50, ignore_eos=True), stream=True))
+    for _ in range(4):
+        engine.step()
+    (live,) = [o for o in engine.resync("own") if o.rid == "r1"]
+    assert live.offset == 0 and len(live.ids) == 4 and live.decode_params is not None and live.finish is None
+    assert all(o.rid != "r1" for o in engine.resync("someone-else"))
+    ok, msg = engine.flush_cache()
+    assert not ok and "running" in msg  # refused while anything runs
+    engine.abort(["r1"])
+    engine.step()
+    ok, _ = engine.flush_cache()
+    assert ok and engine.tree.total_size() == 0
+    assert engine.kv.kv_pool.available_size() == engine.kv.size
+
+
+def test_queue_limit_and_bad_prompt(engine: Engine) -> None:
+    for i in range(8):
+        engine.submit(Req(rid=f"q{i}", origin_input_ids=[5, 6], params=greedy(max_new_tokens=1)))
+    with pytest.raises(QueueFull):
+        engine.submit(Req(rid="q-over", origin_input_ids=[5, 6], params=greedy(max_new_tokens=1)))
+    while engine.has_work():
+        engine.step()
+    engine.submit(Req(rid="empty", origin_input_ids=[], params=greedy()))
+    out = engine.step()
+    (o,) = [o for o in out if o.rid == "empty"]
+    assert o.finish.type == "abort" and o.finish.status_code == 3
+
+
+def test_lpm_and_fcfs_give_the_same_greedy_tokens(model_dir: str, engine: Engine) -> None:
+    prefix = rand_ids(60, 9)
+    prompts = [prefix + rand_ids(5 + i, 30 + i) if i % 2 else rand_ids(10 + i, 40 + i) for i in range(10)]
+    fcfs = engine.generate(prompts, greedy(max_new_tokens=6, ignore_eos=True))
+    lpm = Engine(EngineConfig(model=model_dir, device="cpu", max_total_tokens=2000, schedule_policy="lpm"))
+    got = lpm.generate(prompts, greedy(max_new_tokens=6, ignore_eos=True))
+    assert [r.output_ids for r in got] == [r.output_ids for r in fcfs]
+    lpm.tree.check()
