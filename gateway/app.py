@@ -20,6 +20,7 @@ from gateway.backend import Backend
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, install_handlers
+from gateway.json_body import JsonBodyMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.state import GatewayState
 
@@ -52,6 +53,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(native_routes.router)
     app.include_router(metrics_mod.router)
     # add_middleware wraps: the last added runs first.
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body)
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys(), public_health=config.public_health,
                        public_metrics=config.public_metrics)

@@ -126,20 +126,23 @@ class TokenizerManager:
                     raise s.error
                 if s.finished and s.finish is not None and s.finish.type == "abort" and s.finish.status_code:
                     raise error_for_code(s.finish.status_code, s.finish.message or "aborted")
-                if req.stream or s.finished:
+                # Read `finished` once: more deltas (the last one included) can land while this
+                # generator is suspended at the yield, and they must go out in a later chunk.
+                finished = s.finished
+                if req.stream or finished:
                     chunk = s.take()
-                    if not chunk.empty() or s.finished:
-                        yield self._output(s, chunk, req, arrived, tokenize_s)
-                if s.finished:
+                    if not chunk.empty() or finished:
+                        yield self._output(s, chunk, req, arrived, tokenize_s, finished)
+                if finished:
                     pending.remove(s)
 
     def _output(self, s: ReqState, chunk: Chunk, req: GenerateInput, arrived: float,
-                tokenize_s: float) -> GenerateOutput:
+                tokenize_s: float, finished: bool) -> GenerateOutput:
         out = GenerateOutput(rid=s.group, index=s.index, text=chunk.text, output_ids=chunk.ids,
                              logprobs=self._with_token_texts(chunk.logprobs) if req.return_logprob else [],
-                             finished=s.finished, prompt_tokens=s.prompt_tokens,
+                             finished=finished, prompt_tokens=s.prompt_tokens,
                              completion_tokens=s.num_ids, cached_tokens=s.cached_tokens)
-        if s.finished:
+        if finished:
             now = time.monotonic()
             out.finish = s.finish
             out.e2e_latency = now - arrived

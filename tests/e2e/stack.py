@@ -62,6 +62,7 @@ def running_stack(model: str, *extra: str, env: dict[str, str] | None = None,
         # The gateway's readiness line is forwarded through the launcher's output; the gateway
         # starts only after the other three are SERVING, so this is the whole stack's readiness.
         launcher.wait_ready_line(timeout)
+        launcher.wait_output("ringserve is serving", timeout)  # the launcher's banner, after all four
         yield Stack(launcher, f"http://127.0.0.1:{ports['gateway']}", f"127.0.0.1:{ports['tokenizer']}",
                     f"127.0.0.1:{ports['scheduler']}", f"127.0.0.1:{ports['detokenizer']}", ports)
     finally:

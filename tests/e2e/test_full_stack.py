@@ -51,7 +51,7 @@ def reference(model_dir: str) -> dict[str, list[int]]:
 def test_concurrent_greedy_equals_transformers(stack: Stack, reference: dict[str, list[int]],
                                               model_dir: str) -> None:
     tok = TextTokenizer.from_model(model_dir)
-    bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}
+    bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 32, "min_new_tokens": 32}}
               for p in PROMPTS * 4]  # 40 concurrent requests, duplicates share prefixes
     with cf.ThreadPoolExecutor(len(bodies)) as pool:
         outs = list(pool.map(stack.generate, bodies))

@@ -23,11 +23,11 @@ def stack(model_dir: str):
 
 def test_services_start_in_order_each_gated_on_the_previous(stack: Stack) -> None:
     log = stack.launcher.output()
-    order = [log.index(f"{name} ready in") for name in ("detokenizer", "scheduler", "tokenizer", "gateway")]
+    order = [log.index(f"launcher: {name} ready in") for name in ("detokenizer", "scheduler", "tokenizer", "gateway")]
     assert order == sorted(order)
     # Each service is started only after the previous one reported ready.
     for prev, nxt in [("detokenizer", "scheduler"), ("scheduler", "tokenizer"), ("tokenizer", "gateway")]:
-        assert log.index(f"{prev} ready in") < log.index(f"starting {nxt}:")
+        assert log.index(f"launcher: {prev} ready in") < log.index(f"launcher: starting {nxt}:")
 
 
 def test_curl_example_answers(stack: Stack) -> None:
@@ -43,7 +43,7 @@ def test_greedy_stream_through_the_gateway_equals_transformers(stack: Stack, mod
     tok = TextTokenizer.from_model(model_dir)
     prompt = "The quick brown fox 你好 🦊"
     body = {"text": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "min_new_tokens": 24}}
     with httpx.stream("POST", f"{stack.gateway_url}/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
         events = list(sse_events(r))

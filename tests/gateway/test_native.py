@@ -40,6 +40,14 @@ def test_generate_batch_and_stop(http: httpx.Client) -> None:
     assert eos["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
 
 
+def test_generate_takes_json_sent_as_a_form(http: httpx.Client) -> None:
+    """`curl URL/generate -d '{...}'` sends application/x-www-form-urlencoded; it is still JSON."""
+    body = '{"text": "你好", "sampling_params": {"max_new_tokens": 2}}'.encode()
+    r = http.post("/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "Hello world"
+
+
 def test_generate_stream_format(http: httpx.Client) -> None:
     """bench_serving --backend sglang: cumulative text, meta_info.completion_tokens, [DONE]."""
     full = http.post("/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4, "n": 2}}).json()
