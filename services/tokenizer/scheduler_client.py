@@ -21,6 +21,7 @@ from ringserve.errors import Unavailable
 from ringserve.grpc_server import insecure_channel
 from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
+from .discovery import parse_dns_target
 from .io_struct import LoadInfo, Sampling, TokenizedReq
 from .routing import SchedulerView
 
@@ -198,11 +199,35 @@ class SchedulerPool:
 
     def __init__(self, addresses: list[str], owner: str, on_rejection: Callable[[str, int, str], None],
                  on_down: Callable[[str], None], on_change: Callable[[], None]) -> None:
-        self.conns = {a: SchedulerConnection(a, owner, on_rejection, on_down, on_change) for a in addresses}
+        self._new = lambda a: SchedulerConnection(a, owner, on_rejection, on_down, on_change)
+        self.on_change = on_change
+        # dns:/// targets get their connections from discovery (set_addresses), not here.
+        self.conns = {a: self._new(a) for a in addresses if parse_dns_target(a) is None}
+        self._by_target: dict[str, set[str]] = {}
+        self._started = False
 
     def start(self) -> None:
+        self._started = True
         for c in self.conns.values():
             c.start()
+
+    async def set_addresses(self, target: str, addresses: list[str]) -> None:
+        """Make the connections of a discovered target exactly `addresses` (pods came or went)."""
+        old = self._by_target.get(target, set())
+        new = set(addresses)
+        for a in sorted(new - old):
+            if a not in self.conns:
+                log.info("scheduler %s discovered via %s", a, target)
+                self.conns[a] = self._new(a)
+                if self._started:
+                    self.conns[a].start()
+        for a in sorted(old - new):
+            conn = self.conns.pop(a, None)
+            if conn is not None:
+                log.info("scheduler %s gone from %s", a, target)
+                await conn.close()  # its in-flight requests end UNAVAILABLE via on_down
+        self._by_target[target] = new
+        self.on_change()
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.conns.values()))
@@ -214,7 +239,10 @@ class SchedulerPool:
         return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0)) for a, c in self.conns.items()]
 
     async def send(self, address: str, reqs: list[TokenizedReq]) -> None:
-        await self.conns[address].send(reqs)
+        conn = self.conns.get(address)
+        if conn is None:  # removed by discovery between routing and sending
+            raise Unavailable(f"scheduler {address} unavailable")
+        await conn.send(reqs)
 
     def abort(self, address: str, rids: list[str]) -> None:
         conn = self.conns.get(address)

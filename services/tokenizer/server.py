@@ -19,6 +19,7 @@ from ringserve.v1 import api_pb2, api_pb2_grpc
 
 from .config import TokenizerConfig
 from .detokenizer_client import DetokenizerSubscriber
+from .discovery import SchedulerDiscovery
 from .routing import make_router
 from .scheduler_client import SchedulerPool
 from .servicer import InferenceServicer
@@ -44,6 +45,7 @@ class TokenizerServer:
         self.schedulers = SchedulerPool(list(cfg.scheduler), cfg.tokenizer_id,
                                         on_rejection=self._on_rejection, on_down=self._on_scheduler_down,
                                         on_change=self._update_health)
+        self.discovery = SchedulerDiscovery(list(cfg.scheduler), self.schedulers.set_addresses)
         self.detokenizers = DetokenizerSubscriber(list(cfg.detokenizer), cfg.tokenizer_id,
                                                   on_deltas=self._on_deltas, on_change=self._update_health,
                                                   on_grace_expired=self._on_detokenizer_gone,
@@ -95,6 +97,7 @@ class TokenizerServer:
         if self.cfg.metrics_port >= 0:
             start_metrics_server(self.cfg.host, self.cfg.metrics_port)
         self.schedulers.start()
+        await self.discovery.start()
         self.detokenizers.start()
         log.info("tokenizer %s: model=%s served as %s, schedulers=%s, detokenizers=%s, policy=%s",
                  self.cfg.tokenizer_id, self.cfg.model, self.cfg.served_model_name, ",".join(self.cfg.scheduler),
@@ -104,6 +107,7 @@ class TokenizerServer:
     async def stop(self, grace_s: float = 0.0) -> None:
         self.grpc.stopping.set()
         await self.grpc.drain(grace_s)
+        await self.discovery.close()
         await self.schedulers.close()
         await self.detokenizers.close()
 
