@@ -32,6 +32,11 @@ class EngineConfig:
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
+    grammar_backend: str = field(default="xgrammar", metadata=_h("constrained decoding backend: xgrammar or "
+                                                                  "none (constrained requests are refused)"))
+    grammar_compile_timeout_s: float = field(default=30.0, metadata=_h("abort a request whose grammar takes "
+                                                                        "longer than this to compile"))
+    grammar_cache_size: int = field(default=256, metadata=_h("compiled grammars kept (LRU)"))
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -43,6 +48,12 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size: must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens: must be >= 2")
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError(f"grammar_backend: {self.grammar_backend!r} is not xgrammar or none")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s: must be > 0")
+        if self.grammar_cache_size < 1:
+            raise ValueError("grammar_cache_size: must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
 from services.scheduler.finish import FinishChecker
+from services.scheduler.grammar import GrammarMetrics
+from services.scheduler.grammar_setup import GrammarPrefetch, build_grammar
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.outputs import GenerationResult, ReqOutput, make_output
@@ -45,8 +47,11 @@ class Load:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None,
+                 grammar_metrics: GrammarMetrics | None = None) -> None:
+        """grammar_metrics: the process's (prometheus' default registry takes one per process)."""
         self.cfg = cfg
+        prefetch = GrammarPrefetch.start(cfg.grammar_backend)  # its import overlaps the model load
         log.info("loading model %s", cfg.model)
         self.runner = runner or ModelRunner(
             cfg.model, device=cfg.device, dtype=cfg.dtype, max_total_tokens=cfg.max_total_tokens,
@@ -58,10 +63,11 @@ class Engine:
         self.kv = KVManager(self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.tree)
         self.max_total_num_tokens = self.runner.max_total_num_tokens
         finisher = FinishChecker(self.tokenizer, self.runner.eos_token_ids, self.runner.context_length)
+        self.grammar = build_grammar(cfg, self.runner, prefetch, on_ready=self.wake, metrics=grammar_metrics)
         self.scheduler = Scheduler(
             self.runner, self.kv, finisher, schedule_policy=cfg.schedule_policy,
             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
-            chunked_prefill_size=cfg.chunked_prefill_size)
+            chunked_prefill_size=cfg.chunked_prefill_size, grammar=self.grammar)
         self._lock = threading.Lock()          # serializes step / flush / resync
         self._intake_lock = threading.Condition()
         # Intake events in arrival order: ("req", Req) | ("abort", rid) | ("owner", owner).
@@ -108,15 +114,16 @@ class Engine:
         """Block until there is something to do (or timeout); the engine thread's idle wait."""
         with self._intake_lock:
             if not (self._intake or self.scheduler.has_work()):
-                self._intake_lock.wait(timeout)
+                deadline = self.grammar.next_deadline_s()  # a compile timeout must fire while idle
+                self._intake_lock.wait(timeout if deadline is None else min(timeout, deadline))
             return bool(self._intake or self.scheduler.has_work())
 
     def wait_idle(self, timeout: float) -> bool:
-        """Block until no request is queued or running (or timeout); True when idle."""
+        """Block until no request is queued, compiling its grammar or running (or timeout); True when idle."""
         with self._intake_lock:
-            if self._intake or self.scheduler.has_work():
+            if self.has_work():
                 self._intake_lock.wait(timeout)
-            return not (self._intake or self.scheduler.has_work())
+            return not self.has_work()
 
     def wake(self) -> None:
         with self._intake_lock:
@@ -129,7 +136,7 @@ class Engine:
             self._drain_intake()
             out = self.scheduler.step()
             with self._intake_lock:
-                self._queued = self._num_new + len(self.scheduler.waiting)
+                self._queued = self._num_new + self.scheduler.num_queued()
             self._update_load(len(out) > 0)
             if not self.scheduler.has_work():
                 with self._intake_lock:
@@ -166,7 +173,7 @@ class Engine:
         used = self.kv.used_tokens()
         st = s.stats
         self._load = Load(
-            num_running_reqs=len(s.running) + (s.chunked is not None), num_queue_reqs=len(s.waiting),
+            num_running_reqs=len(s.running) + (s.chunked is not None), num_queue_reqs=s.num_queued(),
             num_used_tokens=used, max_total_num_tokens=self.max_total_num_tokens,
             token_usage=used / self.max_total_num_tokens,
             cache_hit_rate=st.cached_prompt_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
@@ -182,7 +189,8 @@ class Engine:
         return Load(**{**ld.__dict__, "num_queue_reqs": ld.num_queue_reqs + pending}) if pending else ld
 
     def has_work(self) -> bool:
-        return bool(self._intake) or self.scheduler.has_work()
+        """Anything not finished: intake, queued, compiling a grammar, running or unsent output."""
+        return bool(self._intake) or self.scheduler.has_work() or len(self.grammar) > 0
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -228,6 +236,8 @@ class Engine:
                 except QueueFull:
                     break
                 pending.popleft()
+            if not self.scheduler.has_work():  # only grammars compiling: sleep until one is ready
+                self.wait_for_work(0.05)
             for out in self.step():
                 res = results.get(out.rid)
                 if res is None or out.finish is None:

@@ -76,6 +76,9 @@ class Req:
     num_retractions: int = 0
     # Text tail decoded for stop strings (set by finish.py when the request has stop strings).
     stop_tail_tokens: int = 0
+    # Its GrammarMatcher while it has a constraint: set when the grammar queue hands it over, kept
+    # across retraction (the output it matched is kept too), dropped at finish or abort.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.fill_ids:

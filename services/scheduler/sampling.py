@@ -35,6 +35,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     seed: int | None = None
     no_stop_trim: bool = False
+    # At most one constraint (the tokenizer checks); the grammar queue compiles it, the mask enforces it.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -63,7 +67,8 @@ class SamplingParams:
             skip_special_tokens=bool(opt("skip_special_tokens", d.skip_special_tokens)),
             spaces_between_special_tokens=bool(opt("spaces_between_special_tokens",
                                                    d.spaces_between_special_tokens)),
-            seed=int(pb.seed) if pb.HasField("seed") else None, no_stop_trim=bool(pb.no_stop_trim))
+            seed=int(pb.seed) if pb.HasField("seed") else None, no_stop_trim=bool(pb.no_stop_trim),
+            json_schema=opt("json_schema", None), regex=opt("regex", None), ebnf=opt("ebnf", None))
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

@@ -2,7 +2,9 @@
 
 `step()` is the whole loop body: schedule a prefill within the budgets, else decode every running
 request (retracting some if the KV pool is short); run the forward; sample; append tokens, decide
-finishes, release KV; return what to emit. Not thread-safe: the Engine serializes calls.
+finishes, release KV; return what to emit. Constrained requests (json_schema / regex / ebnf) join
+`waiting` only once their grammar compiled (grammar_glue.py); their logits rows are masked before
+sampling. Not thread-safe: the Engine serializes calls.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from services.scheduler.decode import build_decode_batch
 from services.scheduler.finish import FinishChecker
 from services.scheduler.forward_batch import ForwardBatch
+from services.scheduler.grammar_glue import GrammarGlue
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.outputs import ReqOutput, make_output
 from services.scheduler.prefill import build_extend_batch
@@ -53,7 +56,8 @@ class Batch:
 
 class Scheduler:
     def __init__(self, runner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
-                 max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int) -> None:
+                 max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int,
+                 grammar: GrammarGlue | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.finisher = finisher
@@ -65,6 +69,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None   # mid-prefill; continues first in the next prefill
+        # Constrained requests wait in the grammar queue, not in waiting, until their matcher is ready.
+        self.grammar = grammar if grammar is not None else GrammarGlue(None, None)
         self.recent: deque[tuple[float, Req]] = deque(maxlen=RECENT_FINISHED_MAX)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
@@ -73,6 +79,11 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
+        for req, failed in self.grammar.poll():  # grammars that compiled (or failed) since the last step
+            if failed is not None:
+                self.finish(req, failed)
+            else:
+                self.waiting.append(req)
         batch = self.schedule_prefill() or self.schedule_decode()
         if batch is not None:
             t0 = time.monotonic()
@@ -159,12 +170,14 @@ class Scheduler:
         reqs = [batch.reqs[i] for i in rows]
         if len(rows) != len(batch.reqs):
             logits = logits[rows]
+        self.grammar.mask(logits, reqs)
         finisher = self.finisher
         info = SamplingBatchInfo.build(
             [r.params for r in reqs], [r.generator for r in reqs], [r.output_ids for r in reqs],
             [r.origin_input_ids for r in reqs],
-            [set(finisher.stop_ids_for_min_tokens(r)) if r.params.min_new_tokens > len(r.output_ids) else set()
-             for r in reqs],
+            # A grammar decides for itself when EOS may come; masking it too could leave no token.
+            [set(finisher.stop_ids_for_min_tokens(r))
+             if r.params.min_new_tokens > len(r.output_ids) and r.grammar is None else set() for r in reqs],
             self.runner.vocab_size, self.device)
         out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs])
         for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs):
@@ -189,7 +202,7 @@ class Scheduler:
             req = batch.reqs[row]
             req.output_ids.append(token)
             req.timings.last_token = now
-            reason = self.finisher.check(req)
+            reason = self.grammar.accept(req, token) or self.finisher.check(req)
             if reason is not None:
                 self.finish(req, reason)
                 continue
@@ -201,6 +214,7 @@ class Scheduler:
 
     def finish(self, req: Req, reason: FinishInfo, cache: bool = True) -> None:
         req.finished_reason = reason
+        req.grammar = None
         self.kv.release(req, cache=cache)
         self.stats.finished += 1
         self.recent.append((time.monotonic(), req))
@@ -213,17 +227,24 @@ class Scheduler:
             req.generator = make_generator(req.params.seed, self.device)
         limit = min(self.finisher.max_seq_len, self.kv.size)
         if not req.origin_input_ids or len(req.origin_input_ids) >= limit:
-            req.finished_reason = FinishInfo(
-                "abort", message=f"prompt has {len(req.origin_input_ids)} tokens; it must have 1 to "
-                                 f"{limit - 1}", status_code=3)  # INVALID_ARGUMENT
-            self.recent.append((time.monotonic(), req))
-            self._emit.append(make_output(req, full=True))
-            return
-        self.waiting.append(req)
+            self._refuse(req, FinishInfo("abort", message=f"prompt has {len(req.origin_input_ids)} tokens; it must "
+                                                          f"have 1 to {limit - 1}", status_code=3))  # INVALID_ARGUMENT
+        elif self.grammar.is_constrained(req):
+            refused = self.grammar.submit(req)  # joins waiting once its grammar compiled
+            if refused is not None:
+                self._refuse(req, refused)
+        else:
+            self.waiting.append(req)
+
+    def _refuse(self, req: Req, reason: FinishInfo) -> None:
+        req.finished_reason = reason
+        self.recent.append((time.monotonic(), req))
+        self._emit.append(make_output(req, full=True))
 
     def abort(self, pred) -> list[Req]:
         """Remove every request for which pred(req) is true; free its KV now. No output is emitted."""
-        gone = [r for r in self.waiting if pred(r)]
+        gone = self.grammar.abort(pred)
+        gone += [r for r in self.waiting if pred(r)]
         if gone:
             self.waiting = deque(r for r in self.waiting if not pred(r))
         if self.chunked is not None and pred(self.chunked):
@@ -240,11 +261,12 @@ class Scheduler:
         self.running = keep
         for r in gone:
             r.finished_reason = FinishInfo("abort", message="aborted")
+            r.grammar = None
         return gone
 
     def live_reqs(self) -> list[Req]:
         chunk = [self.chunked] if self.chunked is not None else []
-        return [*self.running, *chunk, *self.waiting]
+        return [*self.running, *chunk, *self.waiting, *self.grammar.reqs.values()]
 
     def recent_finished(self) -> list[Req]:
         cutoff = time.monotonic() - RECENT_FINISHED_S
@@ -253,4 +275,9 @@ class Scheduler:
         return [r for _, r in self.recent]
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.chunked or self._emit)
+        """A step now would do something (requests only compiling their grammar do not count)."""
+        return bool(self.running or self.waiting or self.chunked or self._emit) or self.grammar.has_ready()
+
+    def num_queued(self) -> int:
+        """Requests not yet running: waiting plus compiling their grammar."""
+        return len(self.waiting) + len(self.grammar)

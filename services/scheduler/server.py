@@ -14,6 +14,7 @@ from services.scheduler.config import SchedulerServerConfig
 from services.scheduler.detokenizer_client import DetokenizerPusher
 from services.scheduler.engine import Engine
 from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import ReqOutput
 from services.scheduler.servicer import SchedulerServicer
@@ -69,7 +70,8 @@ class SchedulerServer:
                                 lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, s))
         await self.grpc.start()
         t0 = time.monotonic()
-        engine = await asyncio.to_thread(Engine, cfg.engine)
+        grammar_metrics = GrammarMetrics(cfg.model)  # queue and masker update it themselves
+        engine = await asyncio.to_thread(Engine, cfg.engine, None, grammar_metrics)
         log.info("model %s loaded in %.1fs; warming up", cfg.model, time.monotonic() - t0)
         await asyncio.to_thread(engine.warmup)
         log.info("warm-up done; KV pool %d tokens", engine.max_total_num_tokens)

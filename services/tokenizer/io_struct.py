@@ -62,6 +62,10 @@ class Sampling:
     spaces_between_special_tokens: bool = True
     seed: int | None = None
     no_stop_trim: bool = False
+    # At most one is set; the scheduler compiles it (a bad one comes back as INVALID_ARGUMENT).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 @dataclass(frozen=True)

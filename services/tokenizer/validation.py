@@ -7,6 +7,7 @@ Nothing here knows gRPC; the model facts come from a TextTokenizer-like object.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -88,8 +89,13 @@ def check_sampling(sp: SamplingInput, vocab_size: int, limits: Limits) -> None:
     constrained = [f for f in CONSTRAINED_FIELDS if getattr(sp, f) is not None]
     if len(constrained) > 1:
         raise InvalidArgument(_sp(constrained[0]), f"at most one of json_schema, regex, ebnf (got {', '.join(constrained)})")
-    if constrained:
-        raise InvalidArgument(_sp(constrained[0]), "constrained decoding is not supported by this server yet")
+    # Only the cheap check here: compiling (and every other schema / pattern / grammar error) is the
+    # scheduler's, whose INVALID_ARGUMENT abort names the same field.
+    if sp.json_schema is not None:
+        try:
+            json.loads(sp.json_schema)
+        except ValueError as e:
+            raise InvalidArgument(_sp("json_schema"), f"not valid JSON: {e}") from None
 
 
 def _input_field(req: GenerateInput) -> str:
@@ -157,7 +163,7 @@ def resolve_sampling(sp: SamplingInput, max_new_tokens: int) -> Sampling:
         skip_special_tokens=True if sp.skip_special_tokens is None else sp.skip_special_tokens,
         spaces_between_special_tokens=(True if sp.spaces_between_special_tokens is None
                                        else sp.spaces_between_special_tokens),
-        seed=sp.seed, no_stop_trim=sp.no_stop_trim)
+        seed=sp.seed, no_stop_trim=sp.no_stop_trim, json_schema=sp.json_schema, regex=sp.regex, ebnf=sp.ebnf)
 
 
 def check_request(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> None:

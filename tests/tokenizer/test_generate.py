@@ -68,6 +68,17 @@ def test_n3_expands_with_seeds(ring, client):
     assert sent == {"multi-0": 5, "multi-1": 6, "multi-2": 7}
 
 
+def test_constraint_reaches_the_scheduler_on_every_sample(ring, client):
+    sp = common_pb2.SamplingParams(max_new_tokens=4, n=2, regex="[a-z]+")
+    msgs = list(client.Generate(gen_request(rid="re", sampling_params=sp, stream=False), timeout=10))
+    assert sorted(m.index for m in msgs) == [0, 1]
+    sent = {r.rid: r.sampling_params for r in ring.recorder.requests}
+    assert set(sent) == {"re-0", "re-1"}
+    for p in sent.values():
+        assert p.HasField("regex") and p.regex == "[a-z]+"
+        assert not p.HasField("json_schema") and not p.HasField("ebnf")
+
+
 def test_n3_non_stream_gives_one_final_per_sample(ring, client):
     sp = common_pb2.SamplingParams(max_new_tokens=4, n=3)
     msgs = list(client.Generate(gen_request(rid="m2", sampling_params=sp, stream=False), timeout=10))
@@ -148,7 +159,8 @@ BAD = [
     ("sampling_params.top_p", dict(sampling_params=common_pb2.SamplingParams(top_p=0))),
     ("sampling_params.top_k", dict(sampling_params=common_pb2.SamplingParams(top_k=-2))),
     ("sampling_params.n", dict(sampling_params=common_pb2.SamplingParams(n=17))),
-    ("sampling_params.json_schema", dict(sampling_params=common_pb2.SamplingParams(json_schema="{}"))),
+    ("sampling_params.json_schema", dict(sampling_params=common_pb2.SamplingParams(json_schema="{bad"))),
+    ("sampling_params.regex", dict(sampling_params=common_pb2.SamplingParams(regex="a", ebnf="root ::= x"))),
     ("sampling_params.max_new_tokens", dict(text="hi", sampling_params=common_pb2.SamplingParams(max_new_tokens=5000))),
     ("text", dict(text="")),
     ("input_ids", dict(input_ids=api_pb2.TokenIds(ids=[1, 99999]))),

@@ -55,10 +55,9 @@ CASES = [
     ("sampling_params.stop[1]", dict(sampling=dict(stop=("a", "")))),
     ("sampling_params.stop_token_ids[0]", dict(sampling=dict(stop_token_ids=(100,)))),
     ("sampling_params.stop_token_ids[1]", dict(sampling=dict(stop_token_ids=(1, -1)))),
-    ("sampling_params.json_schema", dict(sampling=dict(json_schema="{}"))),
-    ("sampling_params.regex", dict(sampling=dict(regex="a+"))),
-    ("sampling_params.ebnf", dict(sampling=dict(ebnf="root ::= x"))),
+    ("sampling_params.json_schema", dict(sampling=dict(json_schema="{not json"))),
     ("sampling_params.json_schema", dict(sampling=dict(json_schema="{}", regex="a"))),
+    ("sampling_params.regex", dict(sampling=dict(regex="a", ebnf="root ::= x"))),
     ("sampling_params.max_new_tokens", dict(sampling=dict(max_new_tokens=46))),
     ("top_logprobs_num", dict(top_logprobs_num=4)),
     ("text", dict(text="")),
@@ -80,10 +79,22 @@ def test_rule_names_its_field(field, kw):
     assert e.value.message.startswith(field + ": ")
 
 
-def test_constrained_decoding_message():
+def test_one_constraint_passes_to_every_sample():
+    """Compiling is the scheduler's job: any one constraint passes; each of n samples carries it."""
+    for kind, text in (("json_schema", '{"type": "object"}'), ("regex", "a+"), ("ebnf", "root ::= x")):
+        p = run(sampling=dict(n=2, **{kind: text}))
+        assert [getattr(s, kind) for s in p.samplings] == [text, text]
+        assert all(getattr(s, k) is None for s in p.samplings for k in ("json_schema", "regex", "ebnf") if k != kind)
+
+
+def test_constraint_messages():
     with pytest.raises(InvalidArgument) as e:
-        run(sampling=dict(json_schema="{}"))
-    assert e.value.message == "sampling_params.json_schema: constrained decoding is not supported by this server yet"
+        run(sampling=dict(json_schema="{}", ebnf="root ::= x"))
+    assert e.value.message == ("sampling_params.json_schema: at most one of json_schema, regex, ebnf "
+                               "(got json_schema, ebnf)")
+    with pytest.raises(InvalidArgument) as e:
+        run(sampling=dict(json_schema="[1,"))
+    assert e.value.message.startswith("sampling_params.json_schema: not valid JSON: ")
 
 
 def test_model_mismatch_is_not_found():
