@@ -35,6 +35,9 @@ test: model
 lint: proto
 	npx --yes @bufbuild/buf lint protos
 
+bench: model
+	$(PY) -m bench $(ARGS)
+
 bench-engine: model
 	$(PY) -m services.scheduler.bench $(ARGS)
 

@@ -54,3 +54,21 @@ def test_token_ids_are_packed() -> None:
     # 1000 small ids must cost about 2 bytes each (packed varints), not a tag per id.
     delta = detokenizer_pb2.TokenDelta(ids=[1000] * 1000)
     assert len(delta.SerializeToString()) < 2 * 1000 + 16
+
+
+def test_buf_lint_passes() -> None:
+    """`make lint`: buf's STANDARD rules over protos/ (needs npx and the npm registry)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from tests.conftest import ROOT
+
+    if shutil.which("npx") is None:
+        pytest.skip("npx not installed")
+    out = subprocess.run(["npx", "--yes", "@bufbuild/buf", "lint", "protos"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 and "npm ERR" in out.stderr + out.stdout:
+        pytest.skip(f"could not install buf: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -164,6 +164,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._engine()
         return self._info()
 
-    async def FlushCache(self, request, context) -> scheduler_pb2.SchedulerFlushCacheResponse:
+    async def FlushCache(self, request, context) -> scheduler_pb2.SchedulerServiceFlushCacheResponse:
         ok, message = await asyncio.to_thread(self._engine().flush_cache)
-        return scheduler_pb2.SchedulerFlushCacheResponse(success=ok, message=message)
+        return scheduler_pb2.SchedulerServiceFlushCacheResponse(success=ok, message=message)

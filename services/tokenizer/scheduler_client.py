@@ -18,7 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from ringserve.errors import Unavailable
-from ringserve.grpc_server import insecure_channel
+from ringserve.grpc_server import client_channel
 from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 from .discovery import parse_dns_target
@@ -43,6 +43,9 @@ def sampling_to_pb(sp: Sampling) -> common_pb2.SamplingParams:
         spaces_between_special_tokens=sp.spaces_between_special_tokens, n=1, no_stop_trim=sp.no_stop_trim)
     if sp.seed is not None:
         pb.seed = sp.seed
+    for name in ("json_schema", "regex", "ebnf"):  # proto3 optional: set only the one given
+        if getattr(sp, name) is not None:
+            setattr(pb, name, getattr(sp, name))
     return pb
 
 
@@ -69,7 +72,7 @@ class SchedulerConnection:
         self.on_change = on_change
         self.connected = False
         self.load = LoadInfo()
-        self.channel = insecure_channel(address)
+        self.channel = client_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         # Items carry the session they were queued in: a request queued just before a break was
         # already failed by on_down and must not be sent on the next stream.
@@ -188,7 +191,7 @@ class SchedulerConnection:
 
     async def flush_cache(self) -> tuple[bool, str]:
         try:
-            resp = await self.stub.FlushCache(scheduler_pb2.SchedulerFlushCacheRequest(), timeout=30)
+            resp = await self.stub.FlushCache(scheduler_pb2.SchedulerServiceFlushCacheRequest(), timeout=30)
         except grpc.aio.AioRpcError as e:
             return False, f"scheduler {self.address}: {e.code().name}: {e.details()}"
         return resp.success, resp.message

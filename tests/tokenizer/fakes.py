@@ -174,6 +174,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             d.timings.CopyFrom(common_pb2.Timings(queue_s=0.001, decode_s=0.01))
         return d
 
-    async def FlushCache(self, request: scheduler_pb2.SchedulerFlushCacheRequest,
-                         context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerFlushCacheResponse:
-        return scheduler_pb2.SchedulerFlushCacheResponse(success=True)
+    async def FlushCache(self, request: scheduler_pb2.SchedulerServiceFlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerServiceFlushCacheResponse:
+        return scheduler_pb2.SchedulerServiceFlushCacheResponse(success=True)
