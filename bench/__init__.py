@@ -1,0 +1,1 @@
+"""`make bench`: ringserve side by side with vLLM CPU (see docs/benchmarks.md)."""

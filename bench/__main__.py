@@ -1,0 +1,92 @@
+"""`make bench`: ringserve (gateway, gRPC, in-process engine) side by side with vLLM CPU.
+
+    python -m bench [--quick] [--targets gateway,grpc,engine,vllm,transformers] [--models tiny,100m]
+                    [--workloads A,B,C,D] [--out DIR]
+
+Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
+Writes DIR/results.json, DIR/results.md (the table) and PNG plots; prints the table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from bench import plots, report
+from bench.model_info import resolve
+from bench.targets import DESCRIPTIONS, TARGETS, RunResult, run_model
+from bench.venvs import CACHE, log
+from bench.workloads import select, workloads
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (about 5 minutes)")
+    ap.add_argument("--targets", default="gateway,grpc,engine,vllm",
+                    help=f"comma list of {','.join(TARGETS)} (default: all but transformers)")
+    ap.add_argument("--models", default="tiny", help="comma list of tiny, 100m or model directories")
+    ap.add_argument("--workloads", default="", help="comma list of A,B,C,D (or D@4); default all")
+    ap.add_argument("--out", type=Path, default=None, help="default .cache/bench/results/<time>")
+    args = ap.parse_args(argv)
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    bad = [t for t in args.targets if t not in TARGETS]
+    if bad:
+        ap.error(f"unknown targets {bad}; choose from {TARGETS}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out = args.out or CACHE / "results" / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    wls = select(workloads(args.quick), [n.strip() for n in args.workloads.split(",") if n.strip()])
+    if not wls:
+        log("no workload selected")
+        return 2
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "quick": args.quick,
+            "targets": {t: DESCRIPTIONS[t] for t in args.targets},
+            "workloads": [w.__dict__ | {"request_rate": str(w.request_rate)} for w in wls]}
+    results: list[RunResult] = []
+    per_model = sum(1 if t == "transformers" else len(wls) for t in args.targets)
+    total = per_model * len([m for m in args.models.split(",") if m.strip()])
+    t_start = time.monotonic()
+
+    def emit(r: RunResult) -> None:
+        results.append(r)
+        s = r.summary
+        what = (f"{s['output_throughput']:,.0f} out tok/s, TTFT p50 {s['ttft_ms']['p50']:,.0f} ms, "
+                f"ITL p50 {s['itl_ms']['p50']:,.1f} ms" if s else r.note[:200].replace("\n", " "))
+        log(f"({len(results)}/{total}) {r.target:<12} {r.model} {r.workload:<6} {r.status}: {what} "
+            f"[{time.monotonic() - t_start:,.0f}s]")
+        report.write(out, results, meta)  # partial results survive an interrupt
+
+    atexit.register(lambda: log(f"results in {out}"))
+    log(f"workloads: {', '.join(w.name for w in wls)}; targets: {', '.join(args.targets)}; out: {out}")
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        log(f"warning: the machine is busy (1-min load average {load:.1f}); numbers will be noisy "
+            "(each run's load average is in results.json)")
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        model = resolve(name)
+        run_model(args.targets, model, wls, args.quick, out, emit)
+    report.write(out, results, meta)
+    made = plots.all_plots(results, out)
+    print("\n" + report.markdown(results) + "\n", flush=True)
+    for p in made:
+        log(f"plot: {p}")
+    log(f"done in {time.monotonic() - t_start:,.0f}s")
+    return 0 if any(r.status == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # SIGTERM unwinds like Ctrl-C, so every started server is stopped by its finally block.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    sys.exit(main())

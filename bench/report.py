@@ -1,0 +1,78 @@
+"""The side-by-side table (markdown) with ratios against vLLM CPU, and the results JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+from bench.targets import RunResult
+
+COLUMNS = ["model", "workload", "target", "out tok/s", "total tok/s", "req/s", "TTFT p50/p90/p99 ms",
+           "ITL p50/p90/p99 ms", "e2e p50/p90/p99 ms", "TPOT p50 ms", "out tok/s vs vLLM", "TTFT p50 vs vLLM"]
+
+
+def _f(x: float | None, digits: int = 0) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:,.{digits}f}"
+
+
+def _trio(p: dict) -> str:
+    return "/".join(_f(p[k], 1 if p[k] < 100 else 0) for k in ("p50", "p90", "p99"))
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if not a or not b or math.isnan(a) or math.isnan(b):
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def rows(results: list[RunResult]) -> list[list[str]]:
+    base = {(r.model, r.workload): r.summary for r in results if r.target == "vllm" and r.summary}
+    out = []
+    for r in results:
+        if r.summary is None:
+            out.append([r.model, r.workload, r.target, r.status] + ["-"] * 6 + [r.note[:300 if r.status == "ok" else 80].replace("\n", " "), ""])
+            continue
+        s, v = r.summary, base.get((r.model, r.workload))
+        out.append([
+            r.model, r.workload, r.target + ("" if r.status == "ok" else f" ({r.status})"),
+            _f(s["output_throughput"]), _f(s["total_throughput"]), _f(s["request_throughput"], 2),
+            _trio(s["ttft_ms"]), _trio(s["itl_ms"]), _trio(s["e2e_ms"]),
+            _f(s["tpot_ms"].get("p50"), 1) if s.get("tpot_ms") else "-",
+            _ratio(s["output_throughput"], v["output_throughput"] if v else None),
+            _ratio(s["ttft_ms"]["p50"], v["ttft_ms"]["p50"] if v else None),
+        ])
+    return out
+
+
+def markdown(results: list[RunResult]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows(results)]
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_gib, 1), "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def write(out: Path, results: list[RunResult], meta: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps({**meta, "machine": machine(), "results": [r.to_dict() for r in results]},
+                               indent=1))
+    (out / "results.md").write_text(markdown(results) + "\n")
+    return path

@@ -1,0 +1,202 @@
+"""The benchmarked targets, grouped by the server they need; each group starts and stops its own.
+
+A target that cannot start or fails a run is reported (status "failed" / "skipped" with the
+reason) and the others go on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench import bench_serving, grpc_client
+from bench.stats import RequestRecord, summarize
+from bench.venvs import ROOT, log
+from bench.workloads import Workload
+
+TARGETS = ("gateway", "grpc", "engine", "vllm", "transformers", "native")
+DESCRIPTIONS = {
+    "gateway": "ringserve, 4 processes, HTTP /v1/completions through the gateway (bench_serving)",
+    "grpc": "ringserve, the tokenizer's gRPC Generate directly (own async client, input_ids)",
+    "engine": "the scheduler's Engine in-process, no RPC (submit/step)",
+    "vllm": "vLLM CPU, OpenAI /v1/completions (bench_serving)",
+    "transformers": "services/scheduler/bench.py (transformers generate), when present",
+    "native": "ringserve, SGLang-native /generate through the gateway (bench_serving --backend sglang)",
+}
+RINGSERVE_TARGETS = ("gateway", "native", "grpc")
+
+
+@dataclass
+class RunResult:
+    target: str
+    model: str
+    workload: str
+    family: str
+    request_rate: float
+    status: str                        # ok | failed | skipped
+    note: str = ""
+    summary: dict | None = None
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+Emit = Callable[[RunResult], None]
+
+
+def _result(target: str, model: Path, w: Workload, status: str, note: str = "", **kw) -> RunResult:
+    return RunResult(target, model.name, w.name, w.family, w.request_rate, status, note, **kw)
+
+
+def _measure(target: str, model: Path, w: Workload, fn: Callable[[], tuple[list[RequestRecord], float]],
+             emit: Emit) -> None:
+    t0 = time.monotonic()
+    load_before = os.getloadavg()[0]
+    try:
+        recs, dur = fn()
+        s = summarize(recs, dur)
+        status = "ok" if s.failed == 0 else "failed"
+        note = "" if s.failed == 0 else f"{s.failed}/{len(recs)} requests failed: {s.first_error}"
+        # 1-min load average before and after: other work on the machine shows up here
+        emit(_result(target, model, w, status, note, summary=s.to_dict(), wall_s=time.monotonic() - t0,
+                     extra={"loadavg_before": load_before, "loadavg_after": os.getloadavg()[0]}))
+    except Exception as e:  # one run's failure is a result, not the end of the benchmark
+        emit(_result(target, model, w, "failed", f"{type(e).__name__}: {e}"[-1500:], wall_s=time.monotonic() - t0))
+
+
+def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str, note: str, emit: Emit) -> None:
+    for t in targets:
+        for w in wls:
+            emit(_result(t, model, w, status, note))
+
+
+def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit) -> None:
+    from bench.ringserve_server import start_ringserve
+
+    try:
+        rs = start_ringserve(model)
+    except Exception as e:
+        _fail_all(targets, model, wls, "failed", f"ringserve did not start: {str(e)[-1200:]}", emit)
+        return
+    try:
+        for w in wls:
+            if "gateway" in targets:
+                _measure("gateway", model, w, lambda: bench_serving.run(w, rs.gateway_url, model, model.name,
+                                                                         out / "raw")[:2], emit)
+            if "native" in targets:
+                _measure("native", model, w, lambda: bench_serving.run(w, rs.gateway_url, model, model.name,
+                                                                        out / "raw", backend="sglang")[:2], emit)
+            if "grpc" in targets:
+                _measure("grpc", model, w, lambda: grpc_client.run(w, rs.grpc_target, model), emit)
+    finally:
+        rs.server.stop()
+
+
+def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit) -> None:
+    from bench.vllm_server import start_vllm
+
+    try:
+        srv, base = start_vllm(model, model.name)
+    except Exception as e:
+        _fail_all(["vllm"], model, wls, "failed", f"vLLM did not start: {str(e)[-1200:]}", emit)
+        return
+    try:
+        for w in wls:
+            _measure("vllm", model, w, lambda: bench_serving.run(w, base, model, model.name, out / "raw")[:2], emit)
+    finally:
+        srv.stop()
+
+
+def run_engine(model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit) -> None:
+    if importlib.util.find_spec("services.scheduler.engine") is None:
+        _fail_all(["engine"], model, wls, "skipped", "services.scheduler.engine is not there yet", emit)
+        return
+    res_file = out / "raw" / f"engine-{model.name}.json"
+    res_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file = res_file.with_suffix(".log")
+    cmd = [sys.executable, "-m", "bench.engine_target", "--model", str(model), "--out", str(res_file),
+           "--workloads", ",".join(w.name for w in wls), *(["--quick"] if quick else [])]
+    log(f"engine in-process for {model.name} (log: {log_file})")
+    t0 = time.monotonic()
+    with log_file.open("w") as lf:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=lf, stderr=subprocess.STDOUT).returncode
+    if code != 0 or not res_file.exists():
+        tail = log_file.read_text(errors="replace")[-1200:]
+        _fail_all(["engine"], model, wls, "failed", f"engine run exited with {code}: {tail}", emit)
+        return
+    by_name = {r["workload"]: r for r in json.loads(res_file.read_text())}
+    for w in wls:
+        r = by_name.get(w.name)
+        if r is None:
+            emit(_result("engine", model, w, "failed", "no result"))
+            continue
+        s = summarize([RequestRecord(**d) for d in r["records"]], r["duration_s"])
+        emit(_result("engine", model, w, "ok", summary=s.to_dict(), wall_s=(time.monotonic() - t0) / len(wls)))
+
+
+def run_transformers(model: Path, wls: list[Workload], out: Path, emit: Emit) -> None:
+    """Delegates to the scheduler engineer's services/scheduler/bench.py (engine vs transformers
+    generate / static batch / generate_batch, in-process); its own workload, so one summary row."""
+    w = wls[0]
+    shape = {"ringserve-tiny-llama": "tiny", "ringserve-100m-llama": "100m"}.get(model.name)
+    if importlib.util.find_spec("services.scheduler.bench") is None:
+        emit(RunResult("transformers", model.name, "own", "own", w.request_rate, "skipped",
+                       "services/scheduler/bench.py is not there yet"))
+        return
+    if shape is None:
+        emit(RunResult("transformers", model.name, "own", "own", w.request_rate, "skipped",
+                       "services.scheduler.bench runs the default models only"))
+        return
+    cmd = [sys.executable, "-m", "services.scheduler.bench", "--shape", shape, "--concurrency", "1,32",
+           "--output-len", "64"]
+    log(f"transformers baseline: {' '.join(cmd[1:])}")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    (out / "raw" / f"transformers-{model.name}.log").write_text(proc.stdout + proc.stderr)
+    rates = parse_scheduler_bench(proc.stdout)
+    note = "; ".join(f"{c}: " + ", ".join(f"{n} {r:,.0f}" for n, r in rs.items()) for c, rs in rates.items())
+    emit(RunResult("transformers", model.name, "own", "own", w.request_rate,
+                   "ok" if proc.returncode == 0 and rates else "failed",
+                   note=f"output tok/s, services.scheduler.bench: {note}" if rates else (proc.stderr[-800:]),
+                   wall_s=time.monotonic() - t0, extra={"rates": rates}))
+
+
+def parse_scheduler_bench(text: str) -> dict[str, dict[str, float]]:
+    """`  c=32  hf-seq    2048 tokens in  1.00s =   2048.0 tok/s` lines -> {"c=32": {"hf-seq": 2048.0}}."""
+    rates: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].startswith("c=") and line.rstrip().endswith("tok/s"):
+            try:
+                rates.setdefault(parts[0], {})[parts[1]] = float(parts[-2])
+            except ValueError:
+                continue
+    return rates
+
+
+def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit) -> None:
+    """Every selected target on one model, one server at a time (they would compete for 2 cores)."""
+    groups: list[tuple[list[str], Callable[[], None]]] = [
+        (list(RINGSERVE_TARGETS), lambda: run_ringserve([t for t in targets if t in RINGSERVE_TARGETS],
+                                                        model, wls, out, emit)),
+        (["engine"], lambda: run_engine(model, wls, quick, out, emit)),
+        (["vllm"], lambda: run_vllm(model, wls, out, emit)),
+        (["transformers"], lambda: run_transformers(model, wls, out, emit)),
+    ]
+    for names, fn in groups:
+        if any(t in targets for t in names):
+            try:
+                fn()
+            except Exception:
+                log(f"{'/'.join(names)} on {model.name}: unexpected error\n{traceback.format_exc()}")

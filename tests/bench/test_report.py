@@ -1,0 +1,31 @@
+"""The table: ratios against vLLM on the same model and workload; failures shown with their reason."""
+
+from __future__ import annotations
+
+from bench.report import markdown
+from bench.stats import RequestRecord, summarize
+from bench.targets import RunResult
+
+
+def _ok(target: str, tok_per_s: float, ttft: float) -> RunResult:
+    recs = [RequestRecord(ok=True, prompt_len=10, output_len=int(tok_per_s), ttft=ttft, itls=[0.01], e2e=1.0)]
+    return RunResult(target, "m", "A", "A", float("inf"), "ok", summary=summarize(recs, 1.0).to_dict())
+
+
+def test_ratios_against_vllm_and_failed_rows() -> None:
+    failed = RunResult("grpc", "m", "A", "A", float("inf"), "failed", note="ringserve did not start: boom")
+    table = markdown([_ok("gateway", 500, 0.2), failed, _ok("vllm", 1000, 0.1)])
+    lines = table.splitlines()
+    assert len(lines) == 5
+    gateway = lines[2].split(" | ")
+    assert gateway[-2:] == ["0.50x", "2.00x |"]
+    assert "ringserve did not start: boom" in lines[3] and "failed" in lines[3]
+    assert lines[4].split(" | ")[-2:] == ["1.00x", "1.00x |"]
+
+
+def test_parse_scheduler_bench_lines() -> None:
+    from bench.targets import parse_scheduler_bench
+
+    text = ("model tiny\n  c=1   engine       64 tokens in   0.50s =    128.0 tok/s\n"
+            "  c=1   hf-seq failed: RuntimeError: x\n  c=32  hf-cb      2048 tokens in   1.00s =   2048.0 tok/s\n")
+    assert parse_scheduler_bench(text) == {"c=1": {"engine": 128.0}, "c=32": {"hf-cb": 2048.0}}
