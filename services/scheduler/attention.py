@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.scheduler.decode_cache import DecodeRows, DenseDecodeCache
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
 
@@ -35,6 +36,7 @@ class SDPAMetadata:
     q_pad_index: torch.Tensor | None = None  # EXTEND [T] int64: row of each token in the [B * Lq] padding
     batch_size: int = 0
     q_len: int = 1                           # Lq: longest new span
+    dense_rows: DecodeRows | None = None     # DECODE on CPU: the batch's rows in the dense decode cache
 
 
 class TorchSDPABackend:
@@ -49,6 +51,10 @@ class TorchSDPABackend:
         self.scaling = scaling
         self.device = kv_pool.device
         self.metadata: SDPAMetadata | None = None
+        # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
+        self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
+                                       self.req_to_token.shape[1])
+                      if self.device.type == "cpu" else None)
 
     # ---- per forward pass ----
 
@@ -56,11 +62,21 @@ class TorchSDPABackend:
         bs = batch.batch_size
         kv_len = max(batch.seq_lens_cpu)
         if batch.mode == ForwardMode.DECODE:
+            rows = (self.dense.prepare(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)
+                    if self.dense is not None else None)
+            if rows is not None:
+                self.metadata = SDPAMetadata(
+                    is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None,
+                    mask=decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype), batch_size=bs,
+                    dense_rows=rows)
+                return
             self.metadata = SDPAMetadata(
                 is_decode=True, out_cache_loc=batch.out_cache_loc,
                 kv_index=self.req_to_token[batch.req_pool_indices, :kv_len],
                 mask=decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype), batch_size=bs)
             return
+        if self.dense is not None:
+            self.dense.invalidate(batch.req_pool_indices.tolist())
         if bs == 1 and batch.prefix_lens[0] == 0:
             self.metadata = SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
                                          mask=None, batch_size=1, q_len=batch.extend_lens[0])
@@ -88,6 +104,8 @@ class TorchSDPABackend:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         md = self.metadata
         self.kv_pool.set_kv_buffer(layer_id, md.out_cache_loc, k, v)
+        if md.dense_rows is not None:
+            return self._decode_dense(q, k, v, layer_id, md)
         if md.is_decode:
             return self._decode(q, layer_id, md)
         if md.kv_index is None:
@@ -113,6 +131,17 @@ class TorchSDPABackend:
         q = q.view(bs, self.num_kv_heads, self.group, self.head_dim)  # [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=md.mask, scale=self.scaling)
         return out.reshape(bs, -1)  # [B, Hq * D]
+
+    def _decode_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                      md: SDPAMetadata) -> torch.Tensor:
+        rows, bs = md.dense_rows, q.shape[0]
+        assert self.dense is not None and rows is not None
+        self.dense.write(layer_id, rows, k, v)
+        k_all, v_all = self.dense.kv(layer_id, rows)  # [B, Hkv, L, D], row order
+        q_rows = q.view(bs, self.num_kv_heads, self.group, self.head_dim)[rows.inv]  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q_rows.to(k_all.dtype), k_all, v_all, attn_mask=md.mask,
+                                             scale=self.scaling)
+        return out[rows.rows].reshape(bs, -1)  # back to batch order, [B, Hq * D]
 
     def _extend(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
         bs, q_len = md.batch_size, md.q_len

@@ -1,0 +1,79 @@
+"""The dense decode cache gives the same logits as gathering the pool, as the batch changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.forward_batch import ForwardMode
+from services.scheduler.model_runner import ModelRunner
+from tests.scheduler.test_model_runner import Seq, make_batch
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: str) -> ModelRunner:
+    return ModelRunner(model_dir, device="cpu", max_total_tokens=4096, max_running_requests=16)
+
+
+def decode(runner: ModelRunner, seqs: list[Seq], dense: bool) -> torch.Tensor:
+    """One decode step; without `dense` the backend gathers the pool as on CUDA."""
+    backend = runner.attn_backend
+    saved = backend.dense
+    if not dense:
+        backend.dense = None
+    try:
+        for s in seqs:
+            s.ids.append(len(s.ids) % 4000 + 7)  # the "sampled" token
+        return runner.forward(make_batch(seqs, ForwardMode.DECODE, [1] * len(seqs)))
+    finally:
+        backend.dense = saved
+
+
+def test_dense_rows_follow_joins_leaves_and_reuse(runner: ModelRunner) -> None:
+    g = torch.Generator().manual_seed(1)
+    seqs = [Seq(runner, torch.randint(0, 4000, (n,), generator=g).tolist()) for n in (9, 30, 4, 17)]
+    runner.forward(make_batch(seqs, ForwardMode.EXTEND, [len(s.ids) for s in seqs]))
+    twins = []  # the same sequences replayed through the gather path, on their own rows
+    for s in seqs:
+        t = Seq(runner, s.ids)
+        runner.forward(make_batch([t], ForwardMode.EXTEND, [len(t.ids)]))
+        twins.append(t)
+
+    def step(active: list[int]) -> None:
+        dense = decode(runner, [seqs[i] for i in active], dense=True)
+        gathered = decode(runner, [twins[i] for i in active], dense=False)
+        torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
+        cache = runner.attn_backend.dense
+        assert sorted(cache.row_of.values()) == list(range(len(active)))  # rows 0..B-1 = the batch
+
+    step([0, 1, 2, 3])
+    step([0, 1, 2, 3])
+    step([0, 2, 3])      # a request in the middle leaves: the last row moves into its hole
+    step([3, 0])         # another leaves, order changes
+    step([3, 0, 1])      # one comes back: refilled from the pool
+    # Request 2's req_to_token row is reused by a new request: its EXTEND must drop the stale row.
+    old_row = seqs[2].row
+    runner.req_to_token_pool.free(old_row)
+    fresh = Seq(runner, torch.randint(0, 4000, (6,), generator=g).tolist())
+    assert fresh.row == old_row
+    runner.forward(make_batch([fresh], ForwardMode.EXTEND, [6]))
+    assert old_row not in runner.attn_backend.dense.row_of
+    twin = Seq(runner, fresh.ids)
+    runner.forward(make_batch([twin], ForwardMode.EXTEND, [6]))
+    seqs.append(fresh)
+    twins.append(twin)
+    step([4, 0])
+
+
+def test_over_budget_falls_back_to_gathering(runner: ModelRunner) -> None:
+    cache = runner.attn_backend.dense
+    saved = cache.max_bytes
+    cache.reset()
+    cache.max_bytes = 1024  # nothing fits
+    try:
+        s = Seq(runner, [5, 6, 7])
+        runner.forward(make_batch([s], ForwardMode.EXTEND, [3]))
+        decode(runner, [s], dense=True)
+        assert runner.attn_backend.metadata.dense_rows is None and not cache.row_of
+    finally:
+        cache.max_bytes = saved
