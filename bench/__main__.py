@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import signal
 import sys

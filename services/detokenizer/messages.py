@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.finish import Finish  # noqa: F401 - part of this module's vocabulary
+
 FINISH_ABORT = "abort"
 
 
@@ -24,17 +26,6 @@ class DecodeParams:
     spaces_between_special_tokens: bool = True
     stream: bool = True
     prompt_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    """Why a request ended (the scheduler decides; the detokenizer only trims)."""
-
-    type: str
-    matched_token: int | None = None
-    matched_str: str | None = None
-    message: str = ""
-    status_code: int = 0
 
 
 @dataclass(slots=True)

@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from ringserve.finish import finish_from_pb, finish_to_pb
 from ringserve.errors import InvalidArgument
-from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
+from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import (DecodeParams, Finish, OwnerBatch, StepBatch, TextDelta,
+from services.detokenizer.messages import (DecodeParams, OwnerBatch, StepBatch, TextDelta,
                                            TokenDelta)
 from services.detokenizer.metrics import DetokenizerMetrics
 from services.detokenizer.subscriptions import Subscriptions
@@ -31,22 +32,6 @@ def params_from_pb(p: detokenizer_pb2.DecodeParams) -> DecodeParams:
                         skip_special_tokens=p.skip_special_tokens,
                         spaces_between_special_tokens=p.spaces_between_special_tokens,
                         stream=p.stream, prompt_tokens=p.prompt_tokens)
-
-
-def finish_from_pb(f: common_pb2.FinishReason) -> Finish:
-    which = f.WhichOneof("matched")
-    return Finish(type=f.type, matched_token=f.matched_token if which == "matched_token" else None,
-                  matched_str=f.matched_str if which == "matched_str" else None,
-                  message=f.message, status_code=f.status_code)
-
-
-def finish_to_pb(f: Finish) -> common_pb2.FinishReason:
-    out = common_pb2.FinishReason(type=f.type, message=f.message, status_code=f.status_code)
-    if f.matched_token is not None:
-        out.matched_token = f.matched_token
-    elif f.matched_str is not None:
-        out.matched_str = f.matched_str
-    return out
 
 
 def delta_from_pb(d: detokenizer_pb2.TokenDelta) -> TokenDelta:

@@ -73,7 +73,8 @@ class DetokenizerPusher:
                     self._on_connect()
                     await self._serve(call)
                 except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
-                    log.warning("push stream to %s down: %s", self.target, getattr(e, "details", lambda: e)())
+                    log.warning("push stream to %s down: %s", self.target,
+                                e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
                 finally:
                     was_open = self._open
                     self._open = self.live = False

@@ -13,18 +13,8 @@ from typing import Any
 
 import torch
 
+from ringserve.finish import Finish as FinishInfo  # noqa: F401 - the scheduler's name for it
 from services.scheduler.sampling import SamplingParams
-
-
-@dataclass
-class FinishInfo:
-    """Why a request ended (mirrors the proto FinishReason)."""
-
-    type: str                         # "stop" | "length" | "abort"
-    matched_token: int | None = None
-    matched_str: str | None = None
-    message: str = ""
-    status_code: int = 0              # google.rpc.Code for aborts; 0 is a clean abort
 
 
 @dataclass

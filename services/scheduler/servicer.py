@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from ringserve.finish import finish_to_pb
 from ringserve.errors import InvalidArgument, Unavailable
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.engine import Engine, Load, QueueFull
 from services.scheduler.outputs import ReqOutput
-from services.scheduler.req import FinishInfo, Req, ReqTimings
+from services.scheduler.req import Req, ReqTimings
 from services.scheduler.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -35,15 +36,6 @@ def req_from_pb(pb: scheduler_pb2.TokenizedRequest, owner: str) -> Req:
                params=SamplingParams.from_pb(pb.sampling_params), stream=pb.stream,
                return_logprob=pb.return_logprob, top_logprobs_num=pb.top_logprobs_num,
                timings=ReqTimings(arrival=time.monotonic(), sent_at=pb.sent_at))
-
-
-def finish_to_pb(f: FinishInfo) -> common_pb2.FinishReason:
-    pb = common_pb2.FinishReason(type=f.type, message=f.message, status_code=f.status_code)
-    if f.matched_token is not None:
-        pb.matched_token = f.matched_token
-    elif f.matched_str is not None:
-        pb.matched_str = f.matched_str
-    return pb
 
 
 def output_to_pb(o: ReqOutput) -> detokenizer_pb2.TokenDelta:

@@ -15,24 +15,17 @@ from collections.abc import Callable
 
 import grpc
 
-from ringserve.grpc_server import insecure_channel
+from ringserve.finish import finish_from_pb
+from ringserve.grpc_server import client_channel
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
-from .io_struct import Finish, Logprob, TextDeltaIn
+from .io_struct import Logprob, TextDeltaIn
 
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
 TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
-
-
-def finish_from_pb(pb: common_pb2.FinishReason) -> Finish:
-    which = pb.WhichOneof("matched")
-    return Finish(type=pb.type or "stop",
-                  matched_token=pb.matched_token if which == "matched_token" else None,
-                  matched_str=pb.matched_str if which == "matched_str" else None,
-                  message=pb.message, status_code=pb.status_code)
 
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob) -> Logprob:
@@ -58,7 +51,7 @@ class DetokenizerSubscriber:
         self.on_change = on_change
         self.on_grace_expired = on_grace_expired
         self.grace_s = grace_s
-        self.channels = {a: insecure_channel(a) for a in addresses}
+        self.channels = {a: client_channel(a) for a in addresses}
         self.up: dict[str, bool] = {a: False for a in addresses}
         self._tasks: list[asyncio.Task[None]] = []
         self._grace: asyncio.TimerHandle | None = None

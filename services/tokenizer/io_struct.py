@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ringserve.finish import Finish  # noqa: F401 - part of this module's vocabulary
+
 
 @dataclass(frozen=True)
 class ChatInput:
@@ -95,17 +97,6 @@ class TokenizedReq:
     stream: bool
     return_logprob: bool
     top_logprobs_num: int
-
-
-@dataclass(frozen=True)
-class Finish:
-    """Why a request ended (FinishReason)."""
-
-    type: str
-    matched_token: int | None = None
-    matched_str: str | None = None
-    message: str = ""
-    status_code: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from ringserve.finish import finish_to_pb
 from ringserve import __version__
 from ringserve.errors import InvalidArgument
 from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 
-from .io_struct import ChatInput, Finish, GenerateInput, GenerateOutput, LoadInfo, SamplingInput
+from .io_struct import ChatInput, GenerateInput, GenerateOutput, LoadInfo, SamplingInput
 from .routing import SchedulerView
 from .tokenizer_manager import TokenizerManager
 
@@ -53,15 +54,6 @@ def generate_from_pb(pb: api_pb2.GenerateRequest) -> GenerateInput:
         chat=chat_from_pb(pb.chat) if which == "chat" else None,
         sampling=sampling_from_pb(pb.sampling_params), stream=pb.stream, return_logprob=pb.return_logprob,
         top_logprobs_num=pb.top_logprobs_num, return_timings=pb.return_timings, model=pb.model)
-
-
-def finish_to_pb(f: Finish) -> common_pb2.FinishReason:
-    pb = common_pb2.FinishReason(type=f.type, message=f.message, status_code=f.status_code)
-    if f.matched_token is not None:
-        pb.matched_token = f.matched_token
-    elif f.matched_str is not None:
-        pb.matched_str = f.matched_str
-    return pb
 
 
 def output_to_pb(out: GenerateOutput) -> api_pb2.GenerateResponse:
