@@ -16,59 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    seed: int | None = None
-    no_stop_trim: bool = False
-    # At most one constraint (the tokenizer checks); the grammar queue compiles it, the mask enforces it.
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @classmethod
-    def from_pb(cls, pb) -> SamplingParams:
-        """From `ringserve.v1.common_pb2.SamplingParams`: an unset optional field takes the default."""
-        d = cls()
-
-        def opt(name: str, default):
-            return getattr(pb, name) if pb.HasField(name) else default
-
-        top_k = int(opt("top_k", d.top_k))
-        return cls(
-            temperature=float(opt("temperature", d.temperature)), top_p=float(opt("top_p", d.top_p)),
-            top_k=-1 if top_k == 0 else top_k, min_p=float(pb.min_p),
-            frequency_penalty=float(pb.frequency_penalty), presence_penalty=float(pb.presence_penalty),
-            repetition_penalty=float(opt("repetition_penalty", d.repetition_penalty)),
-            max_new_tokens=int(opt("max_new_tokens", d.max_new_tokens)), min_new_tokens=int(pb.min_new_tokens),
-            stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=bool(pb.ignore_eos),
-            skip_special_tokens=bool(opt("skip_special_tokens", d.skip_special_tokens)),
-            spaces_between_special_tokens=bool(opt("spaces_between_special_tokens",
-                                                   d.spaces_between_special_tokens)),
-            seed=int(pb.seed) if pb.HasField("seed") else None, no_stop_trim=bool(pb.no_stop_trim),
-            json_schema=opt("json_schema", None), regex=opt("regex", None), ebnf=opt("ebnf", None))
+from ringserve.sampling_params import SamplingParams  # noqa: F401 - re-exported for the engine
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ringserve.finish import Finish  # noqa: F401 - part of this module's vocabulary
+from ringserve.sampling_params import SamplingParams as Sampling  # noqa: F401 - validated, defaults resolved
 
 
 @dataclass(frozen=True)
@@ -39,32 +40,6 @@ class SamplingInput:
     seed: int | None = None
     n: int | None = None
     no_stop_trim: bool = False
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Validated sampling parameters of one internal request, every default resolved."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    seed: int | None = None
-    no_stop_trim: bool = False
-    # At most one is set; the scheduler compiles it (a bad one comes back as INVALID_ARGUMENT).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

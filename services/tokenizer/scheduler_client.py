@@ -19,10 +19,10 @@ import grpc
 
 from ringserve.errors import Unavailable
 from ringserve.grpc_server import client_channel
-from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .discovery import parse_dns_target
-from .io_struct import LoadInfo, Sampling, TokenizedReq
+from .io_struct import LoadInfo, TokenizedReq
 from .routing import SchedulerView
 
 log = logging.getLogger(__name__)
@@ -33,25 +33,9 @@ MAX_QUEUED_REQUESTS = 4096
 MAX_BATCH = 256
 
 
-def sampling_to_pb(sp: Sampling) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(
-        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-        repetition_penalty=sp.repetition_penalty, max_new_tokens=sp.max_new_tokens,
-        min_new_tokens=sp.min_new_tokens, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
-        spaces_between_special_tokens=sp.spaces_between_special_tokens, n=1, no_stop_trim=sp.no_stop_trim)
-    if sp.seed is not None:
-        pb.seed = sp.seed
-    for name in ("json_schema", "regex", "ebnf"):  # proto3 optional: set only the one given
-        if getattr(sp, name) is not None:
-            setattr(pb, name, getattr(sp, name))
-    return pb
-
-
 def request_to_pb(req: TokenizedReq, sent_at: float) -> scheduler_pb2.TokenizedRequest:
     return scheduler_pb2.TokenizedRequest(
-        rid=req.rid, owner=req.owner, input_ids=req.input_ids, sampling_params=sampling_to_pb(req.sampling),
+        rid=req.rid, owner=req.owner, input_ids=req.input_ids, sampling_params=req.sampling.to_pb(),
         stream=req.stream, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
         sent_at=sent_at)
 

@@ -50,7 +50,7 @@ def test_stop_split_across_steps(tiny_tok: TextTokenizer) -> None:
 def test_stop_inside_multibyte_character(tiny_tok: TextTokenizer, sp_tok: TextTokenizer) -> None:
     for tok in (tiny_tok, sp_tok):
         for stop in ("🦀", "京🦀", "😀x"):
-            text = f"ab 東京🦀😀xyz tail"
+            text = "ab 東京🦀😀xyz tail"
             deltas, finish, _ = stream(tok, text, [stop])
             assert finish.matched_str == stop
             assert out(deltas) == text[:text.find(stop)]
