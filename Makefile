@@ -8,7 +8,8 @@ MODEL ?=
 ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint bench bench-engine clean
+.PHONY: run test proto model install lint bench bench-engine soak clean
+SOAK_S ?= 180
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PY_BOOT) -m venv $(VENV)
@@ -40,6 +41,10 @@ bench: model
 
 bench-engine: model
 	$(PY) -m services.scheduler.bench $(ARGS)
+
+# 256 streaming clients for SOAK_S seconds through the gateway (not part of `make test`).
+soak: model
+	RINGSERVE_SOAK_S=$(SOAK_S) $(PY) -m pytest -q -s -m soak tests/resilience/test_soak.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf ringserve/v1 .cache

@@ -23,8 +23,9 @@ def key_from_header(value: str) -> str:
     return rest.strip() if scheme.lower() == "bearer" else value.strip()
 
 
-def key_ok(presented: str, keys: tuple[bytes, ...]) -> bool:
-    given = presented.encode("utf-8")
+def key_ok(presented: str | bytes, keys: tuple[bytes, ...]) -> bool:
+    """`presented` as the raw header bytes (or text); `keys` UTF-8 encoded."""
+    given = presented.encode("utf-8") if isinstance(presented, str) else presented
     ok = False
     for key in keys:  # no early exit: the time taken does not say which key came close
         ok |= hmac.compare_digest(given, key)
@@ -47,7 +48,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-        if not header or not key_ok(key_from_header(header), self.keys):
+        # Back to the header's raw bytes: a UTF-8 key sent as UTF-8 bytes must match its UTF-8 form
+        # (decoding latin-1 and re-encoding UTF-8 would turn "ü" into four bytes and refuse it).
+        if not header or not key_ok(key_from_header(header).encode("latin-1"), self.keys):
             msg = "Missing API key" if not header else "Incorrect API key provided"
             err = GatewayError(401, msg, "authentication_error", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})

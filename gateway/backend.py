@@ -14,7 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import from_rpc
-from ringserve.grpc_server import insecure_channel
+from ringserve.grpc_server import client_channel
+from ringserve.tls import TlsConfig
 from ringserve.v1 import api_pb2 as pb
 from ringserve.v1 import api_pb2_grpc
 
@@ -24,9 +25,9 @@ INFO_TIMEOUT_S = 10.0  # unary control calls; generation has no deadline (output
 
 
 class Backend:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, tls: TlsConfig | None = None) -> None:
         self.target = target
-        self.channel = insecure_channel(target)
+        self.channel = client_channel(target, tls)
         self.stub = api_pb2_grpc.InferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self._model_info: pb.GetModelInfoResponse | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve.config import parse_config
+from ringserve.tls import TlsConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
@@ -21,8 +22,13 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    """HTTP gateway: OpenAI-compatible and SGLang-native routes over the tokenizer's gRPC API."""
+class GatewayConfig(TlsConfig):
+    """HTTP gateway: OpenAI-compatible and SGLang-native routes over the tokenizer's gRPC API.
+
+    TLS fields (--tls-*) come from ringserve.tls.TlsConfig; only the client side (--tls-ca,
+    --tls-client-cert/-key, --tls-server-name) is used, for the channel to the tokenizer. HTTPS to
+    clients is the ingress's job.
+    """
 
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
     port: int = field(default=30000, metadata={"help": "HTTP port (0 picks a free one)"})
@@ -40,6 +46,7 @@ class GatewayConfig:
     log_level: str = field(default="info", metadata={"help": "log level"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         parse_size(self.max_body_bytes)  # fail at startup, not at the first request
         if self.api_key_file is not None and not Path(self.api_key_file).is_file():
             raise ValueError(f"api_key_file: no such file {self.api_key_file!r}")

@@ -8,11 +8,17 @@ wrong type is a 400 naming the field. The SGLang/vLLM extras that benchmark clie
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+# The widths of the protobuf fields these values go into: an out-of-range number must be a 400
+# naming the field here, not a ValueError (500) when the GenerateRequest is built.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+UInt32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+Prompt = str | list[str] | list[Int32] | list[list[Int32]]
 
 
 class _Request(BaseModel):
@@ -52,16 +58,16 @@ class SamplingExtras(_Request):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # Extras (SGLang / vLLM names).
     ignore_eos: bool = False
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: UInt32 = 0
+    stop_token_ids: list[Int32] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool = False
@@ -73,7 +79,7 @@ class SamplingExtras(_Request):
 
 class CompletionRequest(SamplingExtras):
     prompt: Prompt = Field(..., description="Text, list of texts, token ids or list of token-id lists.")
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: UInt32 | None = 16
     logprobs: int | None = Field(None, ge=0, le=20, description="Return this many top logprobs per token.")
     echo: bool = False
     best_of: int | None = Field(None, description="Only 1 is supported.")
@@ -93,8 +99,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=0, description="Deprecated alias of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: UInt32 | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: UInt32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool | None = None

@@ -70,8 +70,32 @@ def error_for_code(code: int, message: str) -> ServiceError:
     return err
 
 
+class _Undecodable:
+    """What a unary request deserializes to when its bytes are not the method's message."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """grpc answers an undecodable request with UNKNOWN ("Exception deserializing request"), a
+    server fault to the client; hand the handler a marker instead so it can say INVALID_ARGUMENT."""
+    if deserialize is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError, and others on odd input
+            return _Undecodable(f"{type(e).__name__}: {e}")
+    return decode
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turn ServiceError into its status and anything unexpected into INTERNAL, for every method."""
+    """Turn ServiceError into its status and anything unexpected into INTERNAL, for every method.
+
+    Unary requests whose bytes do not decode are INVALID_ARGUMENT (client error), not UNKNOWN.
+    """
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -82,12 +106,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
@@ -106,6 +130,8 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
 
 def _wrap_unary(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.reason})")
         try:
             return await fn(request, context)
         except grpc.aio.AbortError:
@@ -121,6 +147,8 @@ def _wrap_stream(fn: Callable[..., Any], method: str) -> Callable[..., Any]:
         return _wrap_unary(fn, method)
 
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.reason})")
         try:
             async for item in fn(request, context):
                 yield item

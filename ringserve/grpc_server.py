@@ -7,14 +7,17 @@ calls `set_serving(True)` (only when a request through it can succeed) and drain
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ringserve import tls as tls_mod
 from ringserve.errors import ErrorInterceptor
 
 log = logging.getLogger(__name__)
@@ -45,20 +48,114 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def insecure_channel(target: str) -> grpc.aio.Channel:
-    """An asyncio channel with keepalive and fast reconnects (`dns:///` targets balance round robin)."""
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+def client_channel(target: str, tls: tls_mod.TlsConfig | None = None) -> grpc.aio.Channel:
+    """An asyncio channel with keepalive and fast reconnects (`dns:///` targets balance round robin).
+
+    TLS (and a client certificate for mTLS) when the process's TLS config says so (ringserve.tls).
+    """
+    tls = tls or tls_mod.current()
+    creds = tls.channel_credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, creds, options=[*CHANNEL_OPTIONS, *tls.channel_options()])
+
+
+# Health and reflection keep answering while a service drains (probes must see NOT_SERVING).
+_UNGATED = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+class DrainGate(grpc.aio.ServerInterceptor):
+    """Counts the calls in flight and, once draining, refuses new ones with UNAVAILABLE.
+
+    grpc.aio's own `server.stop(grace)` answers calls that arrive during the grace with CANCELLED,
+    which a client (the gateway: HTTP 499) reads as "the caller gave up". UNAVAILABLE says "this
+    replica is going away, retry elsewhere", so drain closes this gate first and waits for the
+    calls it counted, and only then stops the server.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.draining = False
+        self.active = 0
+        self._idle: asyncio.Event | None = None
+
+    def _enter(self) -> None:
+        self.active += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def _leave(self) -> None:
+        self.active -= 1
+        if self.active == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        if self.active == 0:
+            return True
+        self._idle = self._idle or asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _refuse(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.name} is shutting down")
+
+    def _unary(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def gated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if self.draining:
+                await self._refuse(context)
+            self._enter()
+            try:
+                return await fn(request, context)
+            finally:
+                self._leave()
+        return gated
+
+    def _stream(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(fn):
+            return self._unary(fn)
+
+        async def gated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if self.draining:
+                await self._refuse(context)
+            self._enter()
+            try:
+                async for item in fn(request, context):
+                    yield item
+            finally:
+                self._leave()
+        return gated
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_UNGATED):
+            return handler
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream), **kw)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream), **kw)
+        return handler
 
 
 class GrpcService:
     """One grpc.aio server with health, reflection and the error interceptor."""
 
     def __init__(self, name: str, address: str, service_names: Iterable[str],
-                 add_servicers: Callable[[grpc.aio.Server], None]) -> None:
+                 add_servicers: Callable[[grpc.aio.Server], None],
+                 tls: tls_mod.TlsConfig | None = None) -> None:
         self.name = name
         self.address = address
+        self.tls = tls or tls_mod.current()
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+        self.gate = DrainGate(name)
+        self.server = grpc.aio.server(interceptors=[self.gate, ErrorInterceptor()], options=SERVER_OPTIONS)
         add_servicers(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [*service_names, ""]
@@ -68,7 +165,11 @@ class GrpcService:
         self.port = 0
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(self.address)
+        creds = self.tls.server_credentials()
+        if creds is None:
+            self.port = self.server.add_insecure_port(self.address)
+        else:
+            self.port = self.server.add_secure_port(self.address, creds)
         if self.port == 0:
             raise RuntimeError(f"{self.name}: cannot bind {self.address}")
         await self.server.start()
@@ -80,7 +181,8 @@ class GrpcService:
             except (RuntimeError, ValueError):
                 pass  # not the main thread (a service started in-process by a test): no signals
 
-        log.info("%s gRPC listening on %s (port %d)", self.name, self.address, self.port)
+        mode = "plaintext" if creds is None else "mTLS" if self.tls.tls_ca else "TLS"
+        log.info("%s gRPC listening on %s (port %d, %s)", self.name, self.address, self.port, mode)
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
@@ -91,6 +193,10 @@ class GrpcService:
     async def drain(self, grace_s: float) -> None:
         """Stop taking new calls, let running calls finish for up to grace_s, then stop."""
         await self.set_serving(False)
-        log.info("%s draining (grace %.0fs)", self.name, grace_s)
-        await self.server.stop(grace_s)
+        self.gate.draining = True  # new calls: UNAVAILABLE (not grpc.aio's CANCELLED)
+        log.info("%s draining (grace %.0fs, %d calls in flight)", self.name, grace_s, self.gate.active)
+        if not await self.gate.wait_idle(grace_s):
+            log.warning("%s: %d calls still running after %.0fs; cancelling them", self.name,
+                        self.gate.active, grace_s)
+        await self.server.stop(0.5)  # only health watches (and late stragglers) are left
         log.info("%s stopped", self.name)

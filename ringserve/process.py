@@ -21,6 +21,8 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ringserve import tls as tls_mod
+
 ROOT = Path(__file__).resolve().parent.parent
 READY_LINE = "RINGSERVE READY"  # printed by a service once it serves (the gateway, for HTTP)
 
@@ -31,10 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_grpc_serving(target: str, timeout: float, service: str = "") -> None:
-    """Block until `target` reports SERVING on grpc.health.v1, or raise TimeoutError."""
+def wait_grpc_serving(target: str, timeout: float, service: str = "",
+                      tls: tls_mod.TlsConfig | None = None) -> None:
+    """Block until `target` reports SERVING on grpc.health.v1, or raise TimeoutError.
+
+    TLS follows `tls`, else the process's config / RINGSERVE_TLS_* env (ringserve.tls).
+    """
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    with tls_mod.sync_channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             left = deadline - time.monotonic()
@@ -121,10 +127,33 @@ class ServiceProcess:
                 self._new_line.wait(left)
 
     def wait_serving(self, target: str, timeout: float) -> None:
-        try:
-            wait_grpc_serving(target, timeout)
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}\n{self.name} output:\n{self.output()}") from e
+        """Block until `target` is SERVING; raise at once if the process exits meanwhile.
+
+        The health Watch (wait_for_ready) cannot see the process die: without this a service that
+        crashes at import would make its caller wait the whole startup timeout.
+        """
+        outcome: list[BaseException | None] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            try:
+                wait_grpc_serving(target, timeout)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                outcome.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=watch, daemon=True, name=f"wait {self.name}").start()
+        while not done.wait(0.5):
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before SERVING:\n"
+                                   f"{self.output()}")
+        err = outcome[0]
+        if isinstance(err, TimeoutError):
+            raise TimeoutError(f"{err}\n{self.name} output:\n{self.output()}") from err
+        if err is not None:
+            raise err
 
     def output(self) -> str:
         return "".join(self.tail)

@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ringserve.text_tokenizer import default_model
+from ringserve.tls import TlsConfig
 
 
 @dataclass(frozen=True)
-class DetokenizerConfig:
-    """Detokenizer service: token ids from schedulers in, text deltas to tokenizer replicas out."""
+class DetokenizerConfig(TlsConfig):
+    """Detokenizer service: token ids from schedulers in, text deltas to tokenizer replicas out.
+
+    TLS fields (--tls-*) come from ringserve.tls.TlsConfig (it only serves: no client hop).
+    """
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50053, metadata={"help": "gRPC port"})
@@ -24,6 +28,7 @@ class DetokenizerConfig:
     grace_s: float = field(default=10.0, metadata={"help": "SIGTERM drain grace period, seconds"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("max_tracked_requests", "subscriber_queue", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -34,7 +34,7 @@ async def serve(cfg: DetokenizerConfig) -> None:
     servicer = build_servicer(cfg, tokenizer, metrics)
     service = GrpcService("detokenizer", cfg.address, [SERVICE_NAME],
                           lambda server: detokenizer_pb2_grpc.add_DetokenizerServiceServicer_to_server(
-                              servicer, server))
+                              servicer, server), tls=cfg.tls)
     await service.start()
     start_metrics_server(cfg.host, cfg.metrics_port)
     # Nothing else to wait for: a Push or Subscribe through a listening detokenizer can succeed.

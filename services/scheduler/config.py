@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass, field, fields
 
 from ringserve.text_tokenizer import default_model
+from ringserve.tls import TlsConfig
 
 
 def _h(text: str) -> dict[str, str]:
@@ -57,7 +58,7 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerServerConfig(EngineConfig):
+class SchedulerServerConfig(EngineConfig, TlsConfig):
     """The SchedulerService process: `python -m services.scheduler`."""
 
     host: str = field(default="127.0.0.1", metadata=_h("gRPC bind address"))
@@ -67,6 +68,10 @@ class SchedulerServerConfig(EngineConfig):
     scheduler_id: str = field(default="", metadata=_h("id sent to the detokenizer (default: host-pid)"))
     grace_period_s: float = field(default=30.0, metadata=_h("on SIGTERM, time given to running requests"))
     load_report_interval_s: float = field(default=0.5, metadata=_h("LoadReport period on Connect streams"))
+
+    def __post_init__(self) -> None:
+        EngineConfig.__post_init__(self)
+        TlsConfig.__post_init__(self)
 
     @property
     def engine(self) -> EngineConfig:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from ringserve.grpc_server import insecure_channel
+from ringserve.grpc_server import client_channel
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class DetokenizerPusher:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         backoff = BACKOFF_START_S
-        async with insecure_channel(self.target) as channel:
+        async with client_channel(self.target) as channel:
             stub = detokenizer_pb2_grpc.DetokenizerServiceStub(channel)
             while not self._stopping:
                 call = stub.Push(wait_for_ready=True)

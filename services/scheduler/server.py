@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from ringserve import tls
 from ringserve.grpc_server import GrpcService
 from ringserve.metrics_http import start_metrics_server
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -65,9 +66,11 @@ class SchedulerServer:
 
     async def serve(self) -> int:
         cfg = self.cfg
+        tls.configure(cfg)  # the push channel to the detokenizer follows it too
         start_metrics_server(cfg.host, cfg.metrics_port)
         self.grpc = GrpcService("scheduler", f"{cfg.host}:{cfg.port}", [SERVICE_NAME],
-                                lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, s))
+                                lambda s: scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(self.servicer, s),
+                                tls=cfg.tls)
         await self.grpc.start()
         t0 = time.monotonic()
         grammar_metrics = GrammarMetrics(cfg.model)  # queue and masker update it themselves

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ringserve.config import parse_config
 from ringserve.text_tokenizer import default_model
+from ringserve.tls import TlsConfig
 
 ROUTING_POLICIES = ("round_robin", "least_load", "cache_aware")
 
@@ -20,8 +21,11 @@ def default_tokenizer_id() -> str:
 
 
 @dataclass(frozen=True)
-class TokenizerConfig:
-    """The public InferenceService: validation, tokenization, rid_to_state, routing to schedulers."""
+class TokenizerConfig(TlsConfig):
+    """The public InferenceService: validation, tokenization, rid_to_state, routing to schedulers.
+
+    TLS fields (--tls-*) come from ringserve.tls.TlsConfig: the public port and both client hops.
+    """
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "gRPC port"})
@@ -51,6 +55,7 @@ class TokenizerConfig:
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"--routing-policy must be one of {', '.join(ROUTING_POLICIES)}")
         if not self.scheduler:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from ringserve.errors import Unavailable
+from ringserve import tls
 from ringserve.grpc_server import GrpcService
 from ringserve.metrics_http import start_metrics_server
 from ringserve.text_tokenizer import TextTokenizer
@@ -36,6 +37,7 @@ class TokenizerServer:
 
     def __init__(self, cfg: TokenizerConfig, tokenizer: TextTokenizer | None = None) -> None:
         self.cfg = cfg
+        tls.configure(cfg)  # the scheduler and detokenizer channels follow it too
         self.tokenizer = tokenizer or TextTokenizer.from_model(cfg.model)
         limits = Limits(served_model_name=cfg.served_model_name, max_n=cfg.max_n,
                         max_stop_strings=cfg.max_stop_strings, max_stop_len=cfg.max_stop_len,
@@ -57,7 +59,8 @@ class TokenizerServer:
                                      cfg.routing_policy, views=lambda: self.schedulers.views(self.manager.in_flight()),
                                      detokenizer_connected=self.detokenizers.all_connected)
         self.grpc = GrpcService("tokenizer", cfg.address, [SERVICE_NAME],
-                                lambda server: api_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server))
+                                lambda server: api_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
+                                tls=cfg.tls)
         self._serving = False
         self._health_lock = asyncio.Lock()
         self._health_tasks: set[asyncio.Task[None]] = set()
