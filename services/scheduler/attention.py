@@ -139,8 +139,11 @@ class TorchSDPABackend:
         self.dense.write(layer_id, rows, k, v)
         k_all, v_all = self.dense.kv(layer_id, rows)  # [B, Hkv, L, D], row order
         q_rows = q.view(bs, self.num_kv_heads, self.group, self.head_dim)[rows.inv]  # [B, Hkv, G, D]
-        out = F.scaled_dot_product_attention(q_rows.to(k_all.dtype), k_all, v_all, attn_mask=md.mask,
-                                             scale=self.scaling)
+        # Plain matmuls, not SDPA: with one query per head and strided K/V rows, CPU SDPA's flash
+        # kernel is about 2x slower (measured 1.28 vs 0.65 ms per layer at B=64, L=300).
+        scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
+        scores = torch.matmul(q_rows.to(k_all.dtype), k_all.transpose(-1, -2)).mul_(scale).add_(md.mask)
+        out = torch.matmul(scores.softmax(-1), v_all)  # [B, Hkv, G, D]
         return out[rows.rows].reshape(bs, -1)  # back to batch order, [B, Hq * D]
 
     def _extend(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
