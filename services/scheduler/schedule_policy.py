@@ -15,11 +15,16 @@ from typing import Literal
 import torch
 
 from services.scheduler.kv_manager import KVManager
+from services.scheduler.radix_cache import _common_len
 from services.scheduler.req import Req
 
 POLICIES = ("fcfs", "lpm")
 LPM_MAX_QUEUE = 128       # matching every waiting request is O(queue); beyond this lpm acts as fcfs
 RESERVE_CLIP = 4096       # cap on one request's reserved future tokens
+# A waiting request that shares at least this many uncached tokens with one already in this prefill
+# waits a step: the first computes the shared part, and the rest then find it in the radix cache
+# (SGLang's in-batch prefix caching check).
+IN_BATCH_PREFIX_MIN = 32
 
 # SGLang's defaults for the estimate of how many of max_new_tokens a request will really use.
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -49,7 +54,7 @@ def reserved_tokens(req: Req, ratio: float) -> int:
     return int(min(left, RESERVE_CLIP) * ratio)
 
 
-AddResult = Literal["added", "chunked", "stop"]
+AddResult = Literal["added", "chunked", "stop", "defer"]
 
 
 class PrefillAdder:
@@ -67,6 +72,12 @@ class PrefillAdder:
         self.slots: list[torch.Tensor] = []   # [extend_len] int64 KV slots per added request
         self.chunked: Req | None = None
 
+    def _shares_uncached_prefix(self, req: Req, prefix_len: int) -> bool:
+        for other in self.reqs:
+            if _common_len(req.fill_ids, other.fill_ids) - prefix_len >= IN_BATCH_PREFIX_MIN:
+                return True
+        return False
+
     def add(self, req: Req) -> AddResult:
         """Try to add req, allocating its KV slots now. "stop" means take no more this step."""
         continuing = req.req_pool_idx is not None  # a chunked request from an earlier step
@@ -75,6 +86,8 @@ class PrefillAdder:
                 return "stop"
             self.kv.match(req)  # always fresh: an older match may point at evicted slots
             prefix_len = _prefix_len(req)
+            if self._shares_uncached_prefix(req, prefix_len):
+                return "defer"
         else:
             prefix_len = req.kv_len
         extend = len(req.fill_ids) - prefix_len

@@ -105,9 +105,13 @@ class Scheduler:
             req = self.chunked
             if adder.add(req) != "chunked" and adder.reqs and adder.reqs[-1] is req:
                 self.chunked = None  # its last chunk runs now; it joins the running batch after
+        deferred: list[Req] = []  # they share a prefix with one admitted now: next step, from the cache
         while self.chunked is None and self.waiting:
             req = self.waiting[0]
             res = adder.add(req)
+            if res == "defer":
+                deferred.append(self.waiting.popleft())
+                continue
             if res == "stop" and (not adder.reqs or adder.reqs[-1] is not req):
                 break
             self.waiting.popleft()
@@ -116,6 +120,7 @@ class Scheduler:
                 break
             if res == "stop":
                 break
+        self.waiting.extendleft(reversed(deferred))
         if not adder.reqs:
             return None
         now = time.monotonic()
@@ -192,6 +197,7 @@ class Scheduler:
             for req, n in zip(batch.reqs, batch.forward.extend_lens):
                 req.kv_len += n
                 req.timings.prefill_s += elapsed
+                self.kv.cache_prefix(req)
             still_running = self.running          # prefilled requests join the running batch
         else:
             for req in batch.reqs:

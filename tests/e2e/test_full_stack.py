@@ -14,16 +14,11 @@ import pytest
 from ringserve.text_tokenizer import TextTokenizer
 from ringserve.v1 import api_pb2_grpc
 from tests.e2e.grpc_client import server_info
+from tests.e2e.reference import PROMPTS, greedy_body, greedy_reference
 from tests.e2e.stack import Stack, running_stack
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = [
-    "Once upon a time", "def fibonacci(n):", "你好，世界！今天天气很好", "emoji 🧬🦊 and accents é ñ",
-    "import os\nimport sys\n", "The quick brown fox jumps over the lazy dog. " * 6,
-    "class Foo:\n    def __init__(self):", "a", "上海 北京 深圳 广州 杭州",
-    "Once upon a time there was",  # shares a prefix with the first prompt
-]
 
 
 @pytest.fixture(scope="module")
@@ -32,27 +27,10 @@ def stack(model_dir: str):
         yield s
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir: str) -> dict[str, list[int]]:
-    """transformers greedy outputs, 32 new tokens each (EOS ignored)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+def test_concurrent_greedy_equals_transformers(stack: Stack, model_dir: str) -> None:
     tok = TextTokenizer.from_model(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    out = {}
-    for p in PROMPTS:
-        ids = torch.tensor([tok.encode(p)])
-        gen = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
-        out[p] = gen[0, ids.shape[1]:].tolist()
-    return out
-
-
-def test_concurrent_greedy_equals_transformers(stack: Stack, reference: dict[str, list[int]],
-                                              model_dir: str) -> None:
-    tok = TextTokenizer.from_model(model_dir)
-    bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 32, "min_new_tokens": 32}}
-              for p in PROMPTS * 4]  # 40 concurrent requests, duplicates share prefixes
+    reference = greedy_reference(model_dir, PROMPTS, 32)
+    bodies = [greedy_body(p, 32) for p in PROMPTS * 4]  # 40 concurrent requests, duplicates share prefixes
     with cf.ThreadPoolExecutor(len(bodies)) as pool:
         outs = list(pool.map(stack.generate, bodies))
     for body, out in zip(bodies, outs):
