@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
-import grpc
 
+from ringserve.reconnect import reconnect_forever
 from ringserve.finish import finish_from_pb
 from ringserve.grpc_server import client_channel
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
@@ -98,27 +97,9 @@ class DetokenizerSubscriber:
         self._arm_grace()
 
     async def _run(self, address: str) -> None:
-        backoff = BACKOFF_MIN_S
         stub = detokenizer_pb2_grpc.DetokenizerServiceStub(self.channels[address])
-        while True:
-            started = time.monotonic()
-            try:
-                await self._subscribe(address, stub)
-                reason = "stream ended"
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as e:
-                reason = f"{e.code().name}: {e.details()}"
-            except Exception as e:  # noqa: BLE001 - keep resubscribing whatever broke
-                log.exception("detokenizer %s subscription failed", address)
-                reason = repr(e)
-            finally:
-                self._set_up(address, False)
-            if time.monotonic() - started > 5:
-                backoff = BACKOFF_MIN_S
-            log.debug("detokenizer %s: %s; retry in %.1fs", address, reason, backoff)
-            await asyncio.sleep(backoff)  # resubscribe backoff, not a readiness wait
-            backoff = min(BACKOFF_MAX_S, backoff * 2)
+        await reconnect_forever(f"detokenizer {address} subscription", lambda: self._subscribe(address, stub),
+                                lambda: self._set_up(address, False), BACKOFF_MIN_S, BACKOFF_MAX_S)
 
     async def _subscribe(self, address: str, stub: detokenizer_pb2_grpc.DetokenizerServiceStub) -> None:
         channel = self.channels[address]

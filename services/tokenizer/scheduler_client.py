@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
+from ringserve.reconnect import reconnect_forever
 from ringserve.errors import Unavailable
 from ringserve.grpc_server import client_channel
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -90,26 +91,8 @@ class SchedulerConnection:
             self._wake.set()
 
     async def _run(self) -> None:
-        backoff = BACKOFF_MIN_S
-        while True:
-            started = time.monotonic()
-            try:
-                await self._stream()
-                reason = "stream ended"
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as e:
-                reason = f"{e.code().name}: {e.details()}"
-            except Exception as e:  # noqa: BLE001 - keep reconnecting whatever broke
-                log.exception("scheduler %s stream failed", self.address)
-                reason = repr(e)
-            finally:
-                self._mark_down()
-            if time.monotonic() - started > 5:
-                backoff = BACKOFF_MIN_S  # it had been up a while: retry promptly
-            log.debug("scheduler %s: %s; retry in %.1fs", self.address, reason, backoff)
-            await asyncio.sleep(backoff)  # reconnect backoff, not a readiness wait
-            backoff = min(BACKOFF_MAX_S, backoff * 2)
+        await reconnect_forever(f"scheduler {self.address} stream", self._stream, self._mark_down,
+                                BACKOFF_MIN_S, BACKOFF_MAX_S)
 
     def _mark_down(self) -> None:
         self._session += 1
