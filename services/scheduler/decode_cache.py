@@ -27,10 +27,12 @@ from services.scheduler.memory_pool import TokenToKVPool
 class DecodeRows:
     """Where a decode batch lives in the dense cache."""
 
-    def __init__(self, rows: torch.Tensor, inv: torch.Tensor, seq_lens_rows: torch.Tensor, kv_len: int) -> None:
+    def __init__(self, rows: torch.Tensor, inv: torch.Tensor, seq_lens_rows: torch.Tensor, new_pos: torch.Tensor,
+                 kv_len: int) -> None:
         self.rows = rows                  # [B] int64: dense row of batch position b
         self.inv = inv                    # [B] int64: batch position held by dense row r
         self.seq_lens_rows = seq_lens_rows  # [B] int64: seq_len of each dense row
+        self.new_pos = new_pos            # [B] int64: position of batch position b's new token
         self.kv_len = kv_len              # L: longest sequence in the batch
 
 
@@ -130,14 +132,13 @@ class DenseDecodeCache:
         rows_t = torch.tensor(rows, dtype=torch.int64)
         inv = torch.empty_like(rows_t)
         inv[rows_t] = torch.arange(len(rows), dtype=torch.int64)
-        seq_rows = torch.tensor(seq_lens, dtype=torch.int64)[inv]
-        return DecodeRows(rows_t, inv, seq_rows, kv_len)
+        seq = torch.tensor(seq_lens, dtype=torch.int64)
+        return DecodeRows(rows_t, inv, seq[inv], seq - 1, kv_len)
 
     def write(self, layer: int, rows: DecodeRows, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hkv, D] of the newest token of each batch position."""
-        pos = rows.seq_lens_rows[rows.rows] - 1  # back in batch order
-        self.k[layer][rows.rows, :, pos] = k.to(self.k[layer].dtype)
-        self.v[layer][rows.rows, :, pos] = v.to(self.v[layer].dtype)
+        self.k[layer][rows.rows, :, rows.new_pos] = k.to(self.k[layer].dtype)
+        self.v[layer][rows.rows, :, rows.new_pos] = v.to(self.v[layer].dtype)
 
     def kv(self, layer: int, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, Hkv, L, D] views over the rows of this batch (row order)."""
