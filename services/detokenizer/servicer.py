@@ -75,6 +75,8 @@ class _SchedulerLink:
     def __init__(self) -> None:
         self.scheduler_id = "?"
         self.outbox: asyncio.Queue[detokenizer_pb2.PushResponse | None] = asyncio.Queue(PUSH_OUTBOX)
+        # The handshake: an empty first message tells the scheduler this stream is registered here.
+        self.outbox.put_nowait(detokenizer_pb2.PushResponse())
 
 
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
@@ -143,11 +145,12 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
         if not request.owner:
             raise InvalidArgument("owner", "must not be empty")
         sub = self.subs.subscribe(request.owner)
-        # Headers now, so the tokenizer knows the subscription is live before any text flows.
-        await context.send_initial_metadata(())
         log.info("owner=%s subscribed; asking %d scheduler(s) to resync", request.owner, len(self.links))
         self.request_resync(request.owner)
         try:
+            # The handshake: an empty first message says the subscription is registered, so the
+            # tokenizer counts it as up only now (a READY channel alone proves nothing).
+            yield detokenizer_pb2.SubscribeResponse()
             while (item := await sub.get()) is not None:
                 yield item
         finally:

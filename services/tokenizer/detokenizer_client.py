@@ -1,8 +1,9 @@
 """Subscribe(owner) to every detokenizer and feed its TextDeltas to the manager.
 
-A subscription counts as up once the stream is established (the detokenizer's initial metadata,
-or the channel READY with the call open). Each (re)subscribe makes the schedulers re-send this
-owner's requests from offset 0; ReqState drops what it already has. While no subscription is up,
+A subscription counts as up once the detokenizer's empty first message arrives (the handshake: the
+subscription is registered there); without it within HANDSHAKE_TIMEOUT_S the call is dropped and
+retried, so a call stuck in a broken channel never passes for a live subscription. Each
+(re)subscribe makes the schedulers re-send this owner's requests from offset 0; ReqState drops what it already has. While no subscription is up,
 requests stay alive for `grace_s`; after that they fail with UNAVAILABLE (`on_grace_expired`).
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import grpc
 
 from ringserve.reconnect import reconnect_forever
 from ringserve.finish import finish_from_pb
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
+HANDSHAKE_TIMEOUT_S = 5.0
 TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
 
 
@@ -102,24 +105,18 @@ class DetokenizerSubscriber:
                                 lambda: self._set_up(address, False), BACKOFF_MIN_S, BACKOFF_MAX_S)
 
     async def _subscribe(self, address: str, stub: detokenizer_pb2_grpc.DetokenizerServiceStub) -> None:
-        channel = self.channels[address]
         call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(owner=self.owner))
         try:
-            # The aio server may hold its headers until the first message; a READY channel with the
-            # call still open is enough to say the subscription is in place.
-            metadata = asyncio.ensure_future(call.initial_metadata())
-            metadata.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
-            ready = asyncio.ensure_future(channel.channel_ready())
             try:
-                await asyncio.wait([metadata, ready], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ready.cancel()
-            if call.done():
-                async for _ in call:  # raises the call's error
-                    pass
+                ack = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("detokenizer %s: no subscription handshake in %.0fs; retrying", address,
+                            HANDSHAKE_TIMEOUT_S)
+                return
+            if ack is grpc.aio.EOF:
                 return
             self._set_up(address, True)
-            async for resp in call:
+            while (resp := await call.read()) is not grpc.aio.EOF:
                 if resp.deltas:
                     self.on_deltas([delta_from_pb(d) for d in resp.deltas])
         finally:

@@ -33,7 +33,10 @@ class PushStream:
         await self.out.put(pb.PushRequest(batch=pb.StepBatch(deltas=deltas, sent_at=1.0, resync=resync)))
 
     async def next_resync(self) -> str:
+        """The next resync request, past the empty handshake message that opens the stream."""
         resp = await asyncio.wait_for(self.call.read(), TIMEOUT)
+        if resp == pb.PushResponse():
+            resp = await asyncio.wait_for(self.call.read(), TIMEOUT)
         assert resp.HasField("resync")
         return resp.resync.owner
 
@@ -69,6 +72,17 @@ async def stub(tiny_tok: TextTokenizer) -> AsyncIterator[detokenizer_pb2_grpc.De
     await server.stop(1)
 
 
+async def test_both_streams_open_with_an_empty_handshake(stub) -> None:  # type: ignore[no-untyped-def]
+    """Clients count a stream as up only on this first message, never on a READY channel alone."""
+    push = PushStream(stub, "sched-0")
+    assert await asyncio.wait_for(push.call.read(), TIMEOUT) == pb.PushResponse()
+    sub = stub.Subscribe(pb.SubscribeRequest(owner="tok-a"))
+    assert await asyncio.wait_for(sub.read(), TIMEOUT) == pb.SubscribeResponse()
+    assert await push.next_resync() == "tok-a"
+    await push.out.put(None)
+    sub.cancel()
+
+
 async def test_two_owners_get_only_their_requests(stub, tiny_tok: TextTokenizer) -> None:  # type: ignore[no-untyped-def]
     push = PushStream(stub, "sched-0")
     sub_a = stub.Subscribe(pb.SubscribeRequest(owner="tok-a"))
@@ -93,6 +107,7 @@ async def test_second_subscriber_replaces_first(stub, tiny_tok: TextTokenizer) -
     assert await push.next_resync() == "tok-a"
     second = stub.Subscribe(pb.SubscribeRequest(owner="tok-a"))
     assert await push.next_resync() == "tok-a"
+    assert await asyncio.wait_for(first.read(), TIMEOUT) == pb.SubscribeResponse()  # the handshake
     assert await asyncio.wait_for(first.read(), TIMEOUT) is grpc.aio.EOF  # the old stream ended
     await push.send(delta(tiny_tok, "r", "tok-a", "only the new one"))
     assert await collect(second, 1) == {"r": "only the new one"}

@@ -28,6 +28,11 @@ class Stack:
         r.raise_for_status()
         return r.json()
 
+    def timeline(self, last: int = 80) -> str:
+        """The launcher's recent lines without per-request ones: what to read when a fault test fails."""
+        events = [line for line in self.launcher.tail if "rid=" not in line]
+        return "".join(events[-last:])
+
     def service_pid(self, module: str) -> int:
         """The pid of a service child, found by its command line and port."""
         port = str(self.ports[module.rsplit(".", 1)[-1]])

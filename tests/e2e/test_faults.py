@@ -49,7 +49,7 @@ def test_detokenizer_killed_mid_stream_loses_nothing(model_dir: str) -> None:
         for t in threads:
             t.join(120)
         for r in results:
-            assert r.error is None, (r.error, r.error_message)
+            assert r.error is None, (r.error, r.error_message, stack.timeline())
             assert len(r.output_ids) == 160
             assert r.text == tok.decode(r.output_ids)
             assert r.finish_type == "length"

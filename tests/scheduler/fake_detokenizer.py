@@ -38,6 +38,7 @@ class FakeDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             self._control.put(None)
 
         threading.Thread(target=read, daemon=True).start()
+        yield detokenizer_pb2.PushResponse()  # the handshake, as the real detokenizer
         while True:
             item = self._control.get()
             if item is None:

@@ -66,11 +66,11 @@ class FakeDetokenizer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
 
     async def Subscribe(self, request: detokenizer_pb2.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[detokenizer_pb2.SubscribeResponse]:
-        await context.send_initial_metadata(())
         queue: asyncio.Queue[detokenizer_pb2.SubscribeResponse] = asyncio.Queue(100_000)
         self.subs[request.owner] = queue
         self.recorder.add("subscribes", request.owner)
         try:
+            yield detokenizer_pb2.SubscribeResponse()  # the handshake, as the real detokenizer
             while True:
                 yield await queue.get()
         finally:
