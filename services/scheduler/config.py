@@ -33,6 +33,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
+    stream_interval: int = field(default=1, metadata=_h("send a streaming request's new tokens every N tokens "
+                                                         "(its first token and its finish go out at once); "
+                                                         "larger is less smooth but cheaper per token"))
     grammar_backend: str = field(default="xgrammar", metadata=_h("constrained decoding backend: xgrammar or "
                                                                   "none (constrained requests are refused)"))
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_h("abort a request whose grammar takes "
@@ -42,7 +45,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not fcfs or lpm")
-        for name in ("max_running_requests", "max_prefill_tokens", "max_queued_requests"):
+        for name in ("max_running_requests", "max_prefill_tokens", "max_queued_requests", "stream_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         if self.chunked_prefill_size < 0:

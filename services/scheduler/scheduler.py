@@ -57,7 +57,7 @@ class Batch:
 class Scheduler:
     def __init__(self, runner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
                  max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int,
-                 grammar: GrammarGlue | None = None) -> None:
+                 stream_interval: int = 1, grammar: GrammarGlue | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.finisher = finisher
@@ -65,6 +65,7 @@ class Scheduler:
         self.max_running = min(max_running_requests, kv.req_pool.size)
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
+        self.stream_interval = stream_interval
         self.device = runner.device
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -213,7 +214,9 @@ class Scheduler:
                 self.finish(req, reason)
                 continue
             still_running.append(req)
-            if req.stream:
+            # Every stream_interval tokens; the first token at once (TTFT), the finish above.
+            unsent = len(req.output_ids) - req.sent_offset
+            if req.stream and (req.sent_offset == 0 or unsent >= self.stream_interval):
                 emit.append(make_output(req))
         self.stats.generated_tokens += len(next_ids)
         self.running = still_running

@@ -58,12 +58,6 @@ class SchedulerServer:
             if o.finish is not None and o.timings is not None:
                 self.metrics.queue_time.observe(o.timings.queue_s)
 
-    async def _report_metrics(self) -> None:
-        while True:
-            if self.engine is not None and self.metrics is not None:
-                self.metrics.update(self.engine.load())
-            await asyncio.sleep(self.cfg.load_report_interval_s)  # periodic export, not a readiness wait
-
     async def serve(self) -> int:
         cfg = self.cfg
         tls.configure(cfg)  # the push channel to the detokenizer follows it too
@@ -78,7 +72,7 @@ class SchedulerServer:
         log.info("model %s loaded in %.1fs; warming up", cfg.model, time.monotonic() - t0)
         await asyncio.to_thread(engine.warmup)
         log.info("warm-up done; KV pool %d tokens", engine.max_total_num_tokens)
-        self.metrics = SchedulerMetrics(cfg.model, PAGE_SIZE, engine.max_total_num_tokens)
+        self.metrics = SchedulerMetrics(cfg.model, PAGE_SIZE, engine.max_total_num_tokens, engine.load)
         self.engine = engine
         loop: EngineLoop | None = None
         pusher = DetokenizerPusher(cfg.detokenizer, cfg.id, on_connect=lambda: loop.request_resync(None),
@@ -86,7 +80,7 @@ class SchedulerServer:
                                    on_state=self._set_push_state)
         loop = EngineLoop(engine, pusher, self._on_step)
         loop.start()
-        tasks = [asyncio.create_task(pusher.run()), asyncio.create_task(self._report_metrics())]
+        tasks = [asyncio.create_task(pusher.run())]
         await self.grpc.stopping.wait()
 
         # Drain: refuse new requests, let running ones finish (up to the grace period), then stop.

@@ -136,6 +136,22 @@ def test_streaming_emits_every_step_and_params_once(engine: Engine) -> None:
     assert n.offset == 0 and len(n.ids) == 5 and n.finish is not None and n.decode_params is not None
 
 
+def test_stream_interval_batches_tokens_but_not_the_first_or_the_last(engine: Engine) -> None:
+    engine.scheduler.stream_interval = 4
+    try:
+        engine.submit(Req(rid="s4", owner="o", origin_input_ids=rand_ids(20, 16), params=greedy(max_new_tokens=10),
+                          stream=True))
+        outs = []
+        while engine.has_work():
+            outs.extend(engine.step())
+    finally:
+        engine.scheduler.stream_interval = 1
+    # First token at once, then every 4, the remainder with the finish; contiguous offsets.
+    assert [len(o.ids) for o in outs] == [1, 4, 4, 1]
+    assert [o.offset for o in outs] == [0, 1, 5, 9]
+    assert outs[-1].finish is not None and all(o.finish is None for o in outs[:-1])
+
+
 def test_resync_returns_full_state(engine: Engine) -> None:
     engine.submit(Req(rid="r1", owner="own", origin_input_ids=rand_ids(20, 8),
                       params=greedy(max_new_tokens=50, ignore_eos=True), stream=True))
