@@ -1,7 +1,7 @@
 """`make bench`: ringserve (gateway, gRPC, in-process engine) side by side with vLLM CPU.
 
     python -m bench [--quick] [--targets gateway,grpc,engine,vllm,transformers] [--models tiny,100m]
-                    [--workloads A,B,C,D] [--out DIR]
+                    [--workloads A,B,C,D] [--stream-interval N] [--out DIR]
 
 Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
 Writes DIR/results.json, DIR/results.md (the table) and PNG plots; prints the table at the end.
@@ -33,6 +33,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--models", default="tiny", help="comma list of tiny, 100m or model directories")
     ap.add_argument("--workloads", default="", help="comma list of A,B,C,D (or D@4); default all")
     ap.add_argument("--out", type=Path, default=None, help="default .cache/bench/results/<time>")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="both servers stream every N tokens (their --stream-interval; default 1)")
     args = ap.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     bad = [t for t in args.targets if t not in TARGETS]
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         log("no workload selected")
         return 2
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "quick": args.quick,
+            "stream_interval": args.stream_interval,
             "targets": {t: DESCRIPTIONS[t] for t in args.targets},
             "workloads": [w.__dict__ | {"request_rate": str(w.request_rate)} for w in wls]}
     results: list[RunResult] = []
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             "(each run's load average is in results.json)")
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model = resolve(name)
-        run_model(args.targets, model, wls, args.quick, out, emit)
+        run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval)
     report.write(out, results, meta)
     made = plots.all_plots(results, out)
     print("\n" + report.markdown(results) + "\n", flush=True)

@@ -80,11 +80,12 @@ def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str,
             emit(_result(t, model, w, status, note))
 
 
-def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit) -> None:
+def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit,
+                  stream_interval: int = 1) -> None:
     from bench.ringserve_server import start_ringserve
 
     try:
-        rs = start_ringserve(model)
+        rs = start_ringserve(model, extra=["--scheduler-args", f"--stream-interval {stream_interval}"])
     except Exception as e:
         _fail_all(targets, model, wls, "failed", f"ringserve did not start: {str(e)[-1200:]}", emit)
         return
@@ -102,11 +103,11 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
         rs.server.stop()
 
 
-def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit) -> None:
+def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_interval: int = 1) -> None:
     from bench.vllm_server import start_vllm
 
     try:
-        srv, base = start_vllm(model, model.name)
+        srv, base = start_vllm(model, model.name, extra=["--stream-interval", str(stream_interval)])
     except Exception as e:
         _fail_all(["vllm"], model, wls, "failed", f"vLLM did not start: {str(e)[-1200:]}", emit)
         return
@@ -185,13 +186,15 @@ def parse_scheduler_bench(text: str) -> dict[str, dict[str, float]]:
     return rates
 
 
-def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit) -> None:
-    """Every selected target on one model, one server at a time (they would compete for 2 cores)."""
+def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit,
+              stream_interval: int = 1) -> None:
+    """Every selected target on one model, one server at a time (they would compete for 2 cores).
+    Both servers stream every `stream_interval` tokens (--stream-interval on each)."""
     groups: list[tuple[list[str], Callable[[], None]]] = [
         (list(RINGSERVE_TARGETS), lambda: run_ringserve([t for t in targets if t in RINGSERVE_TARGETS],
-                                                        model, wls, out, emit)),
+                                                        model, wls, out, emit, stream_interval)),
         (["engine"], lambda: run_engine(model, wls, quick, out, emit)),
-        (["vllm"], lambda: run_vllm(model, wls, out, emit)),
+        (["vllm"], lambda: run_vllm(model, wls, out, emit, stream_interval)),
         (["transformers"], lambda: run_transformers(model, wls, out, emit)),
     ]
     for names, fn in groups:

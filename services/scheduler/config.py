@@ -33,6 +33,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
+    disable_cpu_kernels: bool = field(default=False, metadata=_h("CPU decode attention through torch matmuls "
+                                                                  "instead of the C kernel built at startup"))
     stream_interval: int = field(default=1, metadata=_h("send a streaming request's new tokens every N tokens "
                                                          "(its first token and its finish go out at once); "
                                                          "larger is less smooth but cheaper per token"))

@@ -46,8 +46,10 @@ class DenseDecodeCache:
         self.max_bytes = max_bytes
         self.row_of: dict[int, int] = {}  # req_pool_idx -> dense row
         self.req_at: list[int] = []       # dense row -> req_pool_idx
-        self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
-        self.v: list[torch.Tensor] = []
+        # K is kept transposed, so q @ K^T streams each row's keys position-contiguous (torch: 0.63
+        # against 0.87 ms per layer at B=64, L=320 on one core; the C kernel vectorizes over positions).
+        self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
+        self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
 
     def reset(self) -> None:
         self.row_of.clear()
@@ -71,7 +73,7 @@ class DenseDecodeCache:
         self.req_at.pop()
 
     def _capacity(self) -> tuple[int, int]:
-        return (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
+        return (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
 
     def _ensure(self, batch_size: int, kv_len: int) -> bool:
         """Grow the buffers (doubling) to hold batch_size rows of kv_len; False if over budget."""
@@ -93,11 +95,13 @@ class DenseDecodeCache:
         used = len(self.req_at)
         grown_k, grown_v = [], []
         for layer in range(self.num_layers):
-            for old, out in ((self.k, grown_k), (self.v, grown_v)):
-                buf = torch.zeros(new_b, heads, new_l, dim, dtype=pool.dtype, device=pool.device)
-                if old:
-                    buf[:used, :, :l_cap].copy_(old[layer][:used])
-                out.append(buf)
+            k = torch.zeros(new_b, heads, dim, new_l, dtype=pool.dtype, device=pool.device)
+            v = torch.zeros(new_b, heads, new_l, dim, dtype=pool.dtype, device=pool.device)
+            if self.k:
+                k[:used, :, :, :l_cap].copy_(self.k[layer][:used])
+                v[:used, :, :l_cap].copy_(self.v[layer][:used])
+            grown_k.append(k)
+            grown_v.append(v)
         self.k, self.v = grown_k, grown_v
         return True
 
@@ -108,7 +112,7 @@ class DenseDecodeCache:
         slots = self.req_to_token[idx, :n]
         for layer in range(self.num_layers):
             kb, vb = self.kv_pool.get_kv_buffer(layer)
-            self.k[layer][row, :, :n].copy_(kb.index_select(0, slots).transpose(0, 1))
+            self.k[layer][row, :, :, :n].copy_(kb.index_select(0, slots).permute(1, 2, 0))
             self.v[layer][row, :, :n].copy_(vb.index_select(0, slots).transpose(0, 1))
 
     def prepare(self, req_pool_indices: list[int], seq_lens: list[int]) -> DecodeRows | None:
@@ -137,10 +141,15 @@ class DenseDecodeCache:
 
     def write(self, layer: int, rows: DecodeRows, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hkv, D] of the newest token of each batch position."""
-        self.k[layer][rows.rows, :, rows.new_pos] = k.to(self.k[layer].dtype)
+        self.k[layer][rows.rows, :, :, rows.new_pos] = k.to(self.k[layer].dtype)
         self.v[layer][rows.rows, :, rows.new_pos] = v.to(self.v[layer].dtype)
 
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's whole K^T [B_cap, Hkv, D, L_cap] and V [B_cap, Hkv, L_cap, D] buffers (rows 0..B-1
+        are the batch)."""
+        return self.k[layer], self.v[layer]
+
     def kv(self, layer: int, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, L, D] views over the rows of this batch (row order)."""
+        """K^T [B, Hkv, D, L] and V [B, Hkv, L, D]: views over the rows of this batch (row order)."""
         b = len(rows.rows)
-        return self.k[layer][:b, :, :rows.kv_len], self.v[layer][:b, :, :rows.kv_len]
+        return self.k[layer][:b, :, :, :rows.kv_len], self.v[layer][:b, :, :rows.kv_len]

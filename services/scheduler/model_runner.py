@@ -10,6 +10,7 @@ import torch
 
 from services.scheduler import model_loader
 from services.scheduler.attention import TorchSDPABackend
+from services.scheduler.cpu_kernels import load_decode_attention
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.models import get_model_class
@@ -27,7 +28,7 @@ class ModelRunner:
                  max_total_tokens: int | None = None, mem_fraction: float = 0.85,
                  max_running_requests: int = 256, context_length: int | None = None,
                  cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, cpu_kernels: bool = True) -> None:
         t0 = time.monotonic()
         self.model_path = model_path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -36,6 +37,7 @@ class ModelRunner:
         self.dtype = _resolve_dtype(dtype, self.device)
         if num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
+        self.cpu_kernels = cpu_kernels
 
         path = model_loader.resolve_model_path(model_path)
         self.model_config = model_loader.load_config(path)
@@ -88,9 +90,12 @@ class ModelRunner:
 
     def _make_attn_backend(self) -> TorchSDPABackend:
         # torch SDPA on CPU and CUDA alike (a flashinfer backend is not written yet; see attention.py).
-        logger.info("attention backend: torch SDPA")
+        native = None
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels:
+            native = load_decode_attention()
+        logger.info("attention backend: torch SDPA%s", ", decode on the C kernel" if native else "")
         return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
-                                self.num_heads, self.num_kv_heads, self.head_dim)
+                                self.num_heads, self.num_kv_heads, self.head_dim, native_decode=native)
 
     def _kv_budget(self, max_total_tokens: int | None, mem_fraction: float, max_running: int) -> int:
         if max_total_tokens is not None:

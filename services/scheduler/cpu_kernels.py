@@ -1,0 +1,109 @@
+"""Native CPU kernels (csrc/*.c), compiled on first use with the system C compiler, called via ctypes.
+
+Plain C over raw pointers: no torch headers, so a build takes about a second, and no Python
+extension ABI to match. `load()` returns None when there is no compiler (a slim image) or the build
+fails, and callers keep their torch path. Builds are cached by source, flags and CPU (they use
+-march=native), written under a temporary name and renamed, so concurrent schedulers never load a
+half-written library. ctypes releases the GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("RINGSERVE_KERNEL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    path = Path(base) / "ringserve" / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:
+        return Path(tempfile.gettempdir())
+
+
+def build(source: Path = SOURCE) -> Path | None:
+    """The compiled shared library for `source` (cached), or None if it cannot be built here."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("no C compiler: native CPU kernels off")
+        return None
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(CFLAGS).encode(), _cpu_id().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    try:
+        subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(source), "-lm"], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        log.warning("building %s failed (%s); native CPU kernels off. %s", source.name, e,
+                    err.decode(errors="replace")[-500:])
+        tmp.unlink(missing_ok=True)
+        return None
+    log.info("built %s", out)
+    return out
+
+
+class NativeDecodeAttention:
+    """Fused decode attention over the dense decode cache (float32, CPU)."""
+
+    def __init__(self, lib_path: Path) -> None:
+        self._fn = ctypes.CDLL(str(lib_path)).decode_attention_f32
+        self._fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """q: [B, H, G, D] float32; kt_buf: K^T [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], both
+        contiguous float32 on CPU; lens: [B] int64 keys per row, in [1, Lcap]. Returns [B, H, G, D]."""
+        b, h, g, d = q.shape
+        l_cap = v_buf.shape[2]
+        # The C code trusts its pointers and sizes: check them here, where a mistake is an exception.
+        for t in (q, kt_buf, v_buf):
+            assert t.dtype == torch.float32 and t.device.type == "cpu"
+        assert kt_buf.is_contiguous() and v_buf.is_contiguous()
+        assert kt_buf.shape == (kt_buf.shape[0], h, d, l_cap) and v_buf.shape == (kt_buf.shape[0], h, l_cap, d)
+        assert kt_buf.shape[0] >= b and lens.shape == (b,) and lens.dtype == torch.int64
+        assert 1 <= int(lens.min()) and int(lens.max()) <= l_cap
+        q = q.contiguous()
+        lens = lens.contiguous()
+        out = torch.empty_like(q)
+        scratch = torch.empty(g * l_cap, dtype=torch.float32)
+        if self._fn(q.data_ptr(), kt_buf.data_ptr(), v_buf.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                    scratch.data_ptr(), b, h, g, d, l_cap, scale) != 0:
+            raise ValueError(f"decode attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
+        return out
+
+
+def load_decode_attention() -> NativeDecodeAttention | None:
+    path = build()
+    return NativeDecodeAttention(path) if path is not None else None
