@@ -35,6 +35,8 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
     disable_cpu_kernels: bool = field(default=False, metadata=_h("CPU decode attention through torch matmuls "
                                                                   "instead of the C kernel built at startup"))
+    kernel_cache: str | None = field(default=None, metadata=_h("directory for the compiled CPU kernels "
+                                                                "(default ~/.cache/ringserve/kernels)"))
     stream_interval: int = field(default=1, metadata=_h("send a streaming request's new tokens every N tokens "
                                                          "(its first token and its finish go out at once); "
                                                          "larger is less smooth but cheaper per token"))

@@ -37,9 +37,9 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("RINGSERVE_KERNEL_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    path = Path(base) / "ringserve" / "kernels"
+def cache_dir(configured: str | None = None) -> Path:
+    """`configured` (--kernel-cache), else ~/.cache/ringserve/kernels; a temp dir if not writable."""
+    path = Path(configured) if configured else Path.home() / ".cache" / "ringserve" / "kernels"
     try:
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -47,7 +47,7 @@ def cache_dir() -> Path:
         return Path(tempfile.gettempdir())
 
 
-def build(source: Path = SOURCE) -> Path | None:
+def build(source: Path = SOURCE, cache: str | None = None) -> Path | None:
     """The compiled shared library for `source` (cached), or None if it cannot be built here."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -55,7 +55,7 @@ def build(source: Path = SOURCE) -> Path | None:
         return None
     key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(CFLAGS).encode(), _cpu_id().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}-{key}.so"
+    out = cache_dir(cache) / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
@@ -104,6 +104,6 @@ class NativeDecodeAttention:
         return out
 
 
-def load_decode_attention() -> NativeDecodeAttention | None:
-    path = build()
+def load_decode_attention(cache: str | None = None) -> NativeDecodeAttention | None:
+    path = build(cache=cache)
     return NativeDecodeAttention(path) if path is not None else None

@@ -78,7 +78,7 @@ class DetokenizerPusher:
                     await self._on_state(True)
                     self._on_connect()
                     await self._serve(call)
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError, asyncio.TimeoutError) as e:
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError, TimeoutError) as e:
                     log.warning("push stream to %s down: %s", self.target,
                                 e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e))
                 finally:

@@ -28,7 +28,8 @@ class ModelRunner:
                  max_total_tokens: int | None = None, mem_fraction: float = 0.85,
                  max_running_requests: int = 256, context_length: int | None = None,
                  cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
-                 num_threads: int | None = None, cpu_kernels: bool = True) -> None:
+                 num_threads: int | None = None, cpu_kernels: bool = True,
+                 kernel_cache: str | None = None) -> None:
         t0 = time.monotonic()
         self.model_path = model_path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -38,6 +39,7 @@ class ModelRunner:
         if num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
         self.cpu_kernels = cpu_kernels
+        self.kernel_cache = kernel_cache
 
         path = model_loader.resolve_model_path(model_path)
         self.model_config = model_loader.load_config(path)
@@ -92,7 +94,7 @@ class ModelRunner:
         # torch SDPA on CPU and CUDA alike (a flashinfer backend is not written yet; see attention.py).
         native = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels:
-            native = load_decode_attention()
+            native = load_decode_attention(self.kernel_cache)
         logger.info("attention backend: torch SDPA%s", ", decode on the C kernel" if native else "")
         return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
                                 self.num_heads, self.num_kv_heads, self.head_dim, native_decode=native)

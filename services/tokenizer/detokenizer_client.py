@@ -109,7 +109,7 @@ class DetokenizerSubscriber:
         try:
             try:
                 ack = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("detokenizer %s: no subscription handshake in %.0fs; retrying", address,
                             HANDSHAKE_TIMEOUT_S)
                 return

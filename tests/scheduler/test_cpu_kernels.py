@@ -52,15 +52,13 @@ def test_refuses_lengths_past_the_buffer(kernel) -> None:
 
 
 def test_no_compiler_means_no_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RINGSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert cpu_kernels.build() is None
+    assert cpu_kernels.build(cache=str(tmp_path)) is None
     assert list(tmp_path.rglob("*.so")) == []
 
 
-def test_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel) -> None:
-    monkeypatch.setenv("RINGSERVE_KERNEL_CACHE", str(tmp_path))
-    first = cpu_kernels.build()
-    assert first is not None and first.exists()
+def test_build_is_cached(tmp_path: Path, kernel) -> None:
+    first = cpu_kernels.build(cache=str(tmp_path))
+    assert first is not None and first.parent == tmp_path
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime
+    assert cpu_kernels.build(cache=str(tmp_path)) == first and first.stat().st_mtime_ns == mtime

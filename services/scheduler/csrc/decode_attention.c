@@ -2,7 +2,7 @@
  *
  * For each (request row b, KV head h), the G query heads of the group are scored against the keys,
  * softmaxed, and weighted over the values. K is stored transposed (K^T rows are position-contiguous),
- * so scores build up 16 positions at a time in registers with vector FMAs over d, no horizontal sums;
+ * so scores build up 64 positions at a time in registers with vector FMAs over d, no horizontal sums;
  * K and V are each read once, and only up to the row's own length (a shorter row's padding is never
  * touched). G and D are compile-time constants in the common shapes, so the accumulators stay in
  * registers. Plain C vectorized by the compiler (omp simd; -ffast-math lets expf vectorize through
