@@ -9,7 +9,6 @@ SIGTERM stops everything in reverse order (each service drains on SIGTERM).
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -57,20 +56,6 @@ class Managed:
     restarts: int = 0
 
 
-def scheduler_thread_flags(scheduler_args: list[str], env: dict[str, str] | None = None) -> list[str]:
-    """`--num-threads N` for a scheduler that shares this host with the other three services.
-
-    torch would take every core, and its spinning worker threads then compete with the I/O
-    services for them (on 2 cores, 1 forward thread serves ~15-20% more tokens through the stack
-    than 2). Leave one core to the rest; a thread count given by flag or environment wins.
-    """
-    env = os.environ if env is None else env
-    if "--num-threads" in scheduler_args or env.get("RINGSERVE_NUM_THREADS"):
-        return []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return ["--num-threads", str(max(1, cores - 1))]
-
-
 def service_commands(cfg: LauncherConfig) -> list[tuple[str, list[str], str | None]]:
     """(name, command, gRPC health target) in start order."""
     h = cfg.host
@@ -78,14 +63,13 @@ def service_commands(cfg: LauncherConfig) -> list[tuple[str, list[str], str | No
     sched = f"{h}:{cfg.scheduler_port}"
     tok = f"{h}:{cfg.tokenizer_port}"
     m = ["--model", cfg.model]
-    sched_args = shlex.split(cfg.scheduler_args)
     return [
         ("detokenizer", python_cmd("services.detokenizer", "--host", h, "--port", str(cfg.detokenizer_port),
                                    "--metrics-port", str(cfg.detokenizer_metrics_port), *m,
                                    *shlex.split(cfg.detokenizer_args)), detok),
         ("scheduler", python_cmd("services.scheduler", "--host", h, "--port", str(cfg.scheduler_port),
                                  "--metrics-port", str(cfg.scheduler_metrics_port), *m,
-                                 "--detokenizer", detok, *scheduler_thread_flags(sched_args), *sched_args), sched),
+                                 "--detokenizer", detok, *shlex.split(cfg.scheduler_args)), sched),
         ("tokenizer", python_cmd("services.tokenizer", "--host", h, "--port", str(cfg.tokenizer_port),
                                  "--metrics-port", str(cfg.tokenizer_metrics_port), *m,
                                  "--scheduler", sched, "--detokenizer", detok,

@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -78,7 +78,7 @@ class NativeDecodeAttention:
 
     def __init__(self, lib_path: Path) -> None:
         self._fn = ctypes.CDLL(str(lib_path)).decode_attention_f32
-        self._fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float]
+        self._fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
         self._fn.restype = ctypes.c_int
 
     def __call__(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, lens: torch.Tensor,
@@ -97,9 +97,10 @@ class NativeDecodeAttention:
         q = q.contiguous()
         lens = lens.contiguous()
         out = torch.empty_like(q)
-        scratch = torch.empty(g * l_cap, dtype=torch.float32)
+        threads = torch.get_num_threads()  # the forward's own threads (set_num_threads / --num-threads)
+        scratch = torch.empty(threads * g * l_cap, dtype=torch.float32)
         if self._fn(q.data_ptr(), kt_buf.data_ptr(), v_buf.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                    scratch.data_ptr(), b, h, g, d, l_cap, scale) != 0:
+                    scratch.data_ptr(), b, h, g, d, l_cap, scale, threads) != 0:
             raise ValueError(f"decode attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
         return out
 

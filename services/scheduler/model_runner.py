@@ -10,6 +10,7 @@ import torch
 
 from services.scheduler import model_loader
 from services.scheduler.attention import TorchSDPABackend
+from services.scheduler import cpu_linear
 from services.scheduler.cpu_kernels import load_decode_attention
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -88,6 +89,10 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         model.load_weights(model_loader.iter_weights(path))
         model.init_rotary(self.device, self.dtype)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels and cpu_linear.supported():
+            if model.lm_head is None:  # tied: a packed copy of the embedding matrix for the logits
+                model.lm_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None)
+            logger.info("linear layers: %d on oneDNN with packed weights", cpu_linear.pack_linears(model))
         return model.eval()
 
     def _make_attn_backend(self) -> TorchSDPABackend:

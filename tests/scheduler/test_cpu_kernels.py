@@ -26,8 +26,16 @@ def reference(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, lens: torch.Te
     return out
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (1, 4, 128), (8, 1, 16)])
-def test_matches_torch_attention_on_ragged_rows(kernel, heads: int, group: int, dim: int) -> None:
+def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int, group: int, dim: int) -> None:
     torch.manual_seed(heads * 100 + group * 10 + dim)
     b_cap, l_cap, b = 8, 96, 5
     kt = torch.randn(b_cap, heads, dim, l_cap)

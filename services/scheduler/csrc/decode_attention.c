@@ -6,16 +6,18 @@
  * K and V are each read once, and only up to the row's own length (a shorter row's padding is never
  * touched). G and D are compile-time constants in the common shapes, so the accumulators stay in
  * registers. Plain C vectorized by the compiler (omp simd; -ffast-math lets expf vectorize through
- * glibc's libmvec); no threads: the scheduler runs its forward on the thread that calls this.
+ * glibc's libmvec). Rows x heads are split over `threads` OpenMP threads (torch's own count; torch's
+ * CPU build uses the same libgomp, so this shares its thread pool).
  *
  * q:       [B, H, G, D] contiguous, row order
  * kt:      [Bcap, H, D, Lcap] contiguous (K transposed; rows 0..B-1 used)
  * v:       [Bcap, H, Lcap, D] contiguous
  * lens:    [B] int64, keys to attend per row (1 <= len <= Lcap)
  * out:     [B, H, G, D] contiguous
- * scratch: G * Lcap floats
+ * scratch: threads * G * Lcap floats
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #define BL 64
@@ -85,17 +87,17 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
 
 /* One loop over (b, h) per specialization: G and D constant inside, so `head` unrolls. */
 #define ROWS(GC, DC)                                                                                   \
-    for (int64_t b = 0; b < B; b++)                                                                    \
-        for (int64_t h = 0; h < H; h++) {                                                              \
-            const int64_t bh = b * H + h;                                                              \
-            head(q + bh * (GC) * (DC), kt + bh * (DC) * Lcap, v + bh * Lcap * (DC), out + bh * (GC) * (DC), \
-                 scratch, lens[b], Lcap, scale, (GC), (DC));                                           \
-        }
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
+    for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
+        float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * Lcap;                               \
+        head(q + bh * (GC) * (DC), kt + bh * (DC) * Lcap, v + bh * Lcap * (DC), out + bh * (GC) * (DC),  \
+             s, lens[bh / H], Lcap, scale, (GC), (DC));                                                \
+    }
 
 int decode_attention_f32(const float *q, const float *kt, const float *v, const int64_t *lens, float *out,
                          float *scratch, int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lcap,
-                         float scale) {
-    if (G < 1 || G > GMAX || D < 1 || D > 128) return -1;
+                         float scale, int threads) {
+    if (G < 1 || G > GMAX || D < 1 || D > 128 || threads < 1) return -1;
     if (G == 1 && D == 64) { ROWS(1, 64) }
     else if (G == 1 && D == 128) { ROWS(1, 128) }
     else if (G == 2 && D == 32) { ROWS(2, 32) }

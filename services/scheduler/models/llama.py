@@ -94,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # None when tied: the logits use the embedding matrix (a CPU runner may set a packed copy here).
+        self.lm_head: nn.Module | None = (None if self.tie_word_embeddings else
+                                          nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.max_position = max_position
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         for p in self.parameters():
@@ -116,8 +117,8 @@ class LlamaForCausalLM(nn.Module):
         if last_index is not None:
             x = x.index_select(0, last_index)  # [B, H]: norm and lm_head only where logits are used
         x = self.norm(x)
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, weight).float()  # [B, V] float32
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        return logits.float()  # [B, V] float32
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
