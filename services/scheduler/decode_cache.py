@@ -86,7 +86,9 @@ class DenseDecodeCache:
         new_l = max(l_cap, 64)
         while new_l < kv_len:
             new_l *= 2
-        new_l = min(new_l, max(self.max_context_len, kv_len))
+        # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
+        # (measured: 1.4 against 1.17 ms per layer at L=600).
+        new_l = min(new_l, max(self.max_context_len, kv_len)) + 16
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
         elem = pool.k_buffer[0].element_size()

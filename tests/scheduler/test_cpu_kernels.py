@@ -34,7 +34,8 @@ def threads(request: pytest.FixtureRequest):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (1, 4, 128), (8, 1, 16)])
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (4, 3, 64), (1, 4, 128), (2, 7, 128),
+                                             (8, 1, 16), (2, 5, 48)])
 def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int, group: int, dim: int) -> None:
     torch.manual_seed(heads * 100 + group * 10 + dim)
     b_cap, l_cap, b = 8, 96, 5

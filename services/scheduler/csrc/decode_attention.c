@@ -98,14 +98,18 @@ int decode_attention_f32(const float *q, const float *kt, const float *v, const 
                          float *scratch, int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lcap,
                          float scale, int threads) {
     if (G < 1 || G > GMAX || D < 1 || D > 128 || threads < 1) return -1;
-    if (G == 1 && D == 64) { ROWS(1, 64) }
-    else if (G == 1 && D == 128) { ROWS(1, 128) }
-    else if (G == 2 && D == 32) { ROWS(2, 32) }
-    else if (G == 2 && D == 64) { ROWS(2, 64) }
-    else if (G == 2 && D == 128) { ROWS(2, 128) }
-    else if (G == 4 && D == 64) { ROWS(4, 64) }
-    else if (G == 4 && D == 128) { ROWS(4, 128) }
-    else if (G == 8 && D == 128) { ROWS(8, 128) }
-    else { ROWS(G, D) }
+    /* The group sizes and head dims of common Llama / Qwen / Mistral checkpoints; others: generic. */
+    if (D == 32) {
+        if (G == 1) { ROWS(1, 32) } else if (G == 2) { ROWS(2, 32) } else if (G == 4) { ROWS(4, 32) }
+        else { ROWS(G, 32) }
+    } else if (D == 64) {
+        if (G == 1) { ROWS(1, 64) } else if (G == 2) { ROWS(2, 64) } else if (G == 3) { ROWS(3, 64) }
+        else if (G == 4) { ROWS(4, 64) } else if (G == 7) { ROWS(7, 64) } else if (G == 8) { ROWS(8, 64) }
+        else { ROWS(G, 64) }
+    } else if (D == 128) {
+        if (G == 1) { ROWS(1, 128) } else if (G == 2) { ROWS(2, 128) } else if (G == 3) { ROWS(3, 128) }
+        else if (G == 4) { ROWS(4, 128) } else if (G == 7) { ROWS(7, 128) } else if (G == 8) { ROWS(8, 128) }
+        else { ROWS(G, 128) }
+    } else { ROWS(G, D) }
     return 0;
 }
