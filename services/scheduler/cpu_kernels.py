@@ -23,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LDFLAGS = ["-shared", "-fopenmp"]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -53,14 +54,19 @@ def build(source: Path = SOURCE, cache: str | None = None) -> Path | None:
     if cc is None:
         log.info("no C compiler: native CPU kernels off")
         return None
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(CFLAGS).encode(), _cpu_id().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    parts = [source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_id().encode(), platform.machine().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out = cache_dir(cache) / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    obj = tmp.with_suffix(".o")
     try:
-        subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(source), "-lm"], check=True, capture_output=True,
+        # Compile and link apart: linking with -ffast-math adds crtfastmath.o, whose constructor
+        # turns on flush-to-zero for the whole process the moment the library is loaded.
+        subprocess.run([cc, *CFLAGS, "-c", "-o", str(obj), str(source)], check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run([cc, *LDFLAGS, "-o", str(tmp), str(obj), "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
@@ -69,6 +75,8 @@ def build(source: Path = SOURCE, cache: str | None = None) -> Path | None:
                     err.decode(errors="replace")[-500:])
         tmp.unlink(missing_ok=True)
         return None
+    finally:
+        obj.unlink(missing_ok=True)
     log.info("built %s", out)
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,13 @@ def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int
     got = kernel(q, kt, v, lens, dim ** -0.5)
     want = reference(q, kt, v, lens, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_it_leaves_subnormals_alone(kernel) -> None:
+    # -ffast-math at link time would add crtfastmath.o, which sets flush-to-zero process-wide.
+    smallest_normal = sys.float_info.min
+    assert smallest_normal / 2 > 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
 
 
 def test_refuses_lengths_past_the_buffer(kernel) -> None:
