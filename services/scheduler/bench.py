@@ -1,6 +1,6 @@
 """In-process throughput: this engine vs transformers on the same weights.
 
-    python -m services.scheduler.bench [--shape tiny|100m] [--concurrency 1,8,32,64] [--output-len 64]
+    python -m services.scheduler.bench [--shape tiny,100m] [--concurrency 1,8,32,64] [--output-len 64]
 
 For each concurrency c (c requests submitted at once, random prompts, fixed output length, greedy,
 EOS ignored) it measures output tokens per second of:
@@ -82,7 +82,7 @@ def run_hf_cb(hf, prompts: list[list[int]], out_len: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--shape", default="tiny", help=f"comma list of {','.join(sorted(SHAPES))}: one table each")
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--prompt-len", default="32,128", help="min,max prompt tokens")
     ap.add_argument("--output-len", type=int, default=64)
@@ -92,10 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    shapes = [x for x in args.shape.split(",") if x]
+    bad = [x for x in shapes if x not in SHAPES]
+    if bad:
+        ap.error(f"--shape: unknown {bad}; choose from {sorted(SHAPES)}")
+    for shape in shapes:
+        bench_shape(shape, args)
+    return 0
+
+
+def bench_shape(shape: str, args: argparse.Namespace) -> None:
+    """The engine and each transformers mode at every concurrency on one model; prints a table."""
     conc = [int(c) for c in args.concurrency.split(",")]
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     skip = set(filter(None, args.skip.split(",")))
-    path = model_dir(args.shape)
+    path = model_dir(shape)
 
     from transformers import AutoModelForCausalLM
 
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "hf-seq": lambda p: run_hf_seq(hf, p, args.output_len),
             "hf-static": lambda p: run_hf_static(hf, p, args.output_len),
             "hf-cb": lambda p: run_hf_cb(hf, p, args.output_len)}
-    print(f"model {args.shape} ({path}), threads {torch.get_num_threads()}, prompts {lo}-{hi} tokens, "
+    print(f"model {shape} ({path}), threads {torch.get_num_threads()}, prompts {lo}-{hi} tokens, "
           f"output {args.output_len} tokens", flush=True)
     rows: list[tuple[int, dict[str, float]]] = []
     for c in conc:
@@ -137,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         ratios = "".join(f"{rates['engine'] / rates[n]:14.2f}" if n in rates and "engine" in rates
                          else f"{'-':>14}" for n in names[1:])
         print(f"c={c:<10}" + cells + ratios)
-    return 0
 
 
 if __name__ == "__main__":
