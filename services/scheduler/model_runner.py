@@ -8,9 +8,8 @@ import time
 
 import torch
 
-from services.scheduler import model_loader
+from services.scheduler import cpu_linear, model_loader
 from services.scheduler.attention import TorchSDPABackend
-from services.scheduler import cpu_linear
 from services.scheduler.cpu_kernels import load_decode_attention
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
