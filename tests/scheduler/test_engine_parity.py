@@ -11,6 +11,7 @@ import torch
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
+from services.scheduler.cpu_linear import PackedLinear
 from services.scheduler.engine import Engine
 from services.scheduler.sampling import SamplingParams
 
@@ -79,9 +80,15 @@ def assert_same(got: list[list[int]], want: list[list[int]]) -> None:
     assert not bad, f"{len(bad)} prompts differ; first {bad[0]}: got {got[bad[0]]}, want {want[bad[0]]}"
 
 
-def test_greedy_parity(model_dir: str, prompts, reference) -> None:
-    got, engine = run(model_dir, prompts, max_total_tokens=8192, max_running_requests=64)
+@pytest.mark.parametrize("plain_torch", [False, True], ids=["cpu-kernels", "plain-torch"])
+def test_greedy_parity(model_dir: str, prompts, reference, plain_torch: bool) -> None:
+    # Both CPU forwards: oneDNN-packed linears + the C decode kernel (where available), and stock torch.
+    got, engine = run(model_dir, prompts, max_total_tokens=8192, max_running_requests=64,
+                      disable_cpu_kernels=plain_torch)
     assert_same(got, reference)
+    if plain_torch:
+        assert engine.runner.attn_backend.native_decode is None
+        assert not any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
 
 
 def test_greedy_parity_chunked_prefill(model_dir: str, prompts, reference) -> None:
