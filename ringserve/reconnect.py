@@ -1,4 +1,9 @@
-"""Keep a long-lived stream up: run a session, and when it ends or breaks, back off and run it again."""
+"""Keep a long-lived stream up: run a session, and when it ends or breaks, back off and run it again.
+
+`handshake` is how a client of the detokenizer's streams knows its stream is registered: the
+detokenizer's first message on Push and on Subscribe is empty, and a stream counts as up only once it
+has arrived.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,16 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 log = logging.getLogger(__name__)
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+async def handshake(call, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
+    """Wait for the server's first (empty) message on a streaming call; False if the stream ended
+    first or nothing came within timeout_s (the caller drops the call and reconnects)."""
+    try:
+        return await asyncio.wait_for(call.read(), timeout_s) is not grpc.aio.EOF
+    except TimeoutError:
+        return False
 
 
 async def reconnect_forever(name: str, session: Callable[[], Awaitable[None]], on_down: Callable[[], None],

@@ -2,10 +2,10 @@
 
 The engine thread hands batches over with `push()` (bounded: it waits while the writer is behind, which
 is the backpressure; while the stream is down it drops them, because the resync after reconnecting
-re-sends full state). A connect counts once the detokenizer's empty first response arrives (the
-handshake; no answer within HANDSHAKE_TIMEOUT_S means try again, so a call stuck in a broken
-channel cannot hold the stream down forever). On every (re)connect the stream is marked usable only when the engine thread
-sends the resync batch (`on_connect` asks for it), so no delta without its params reaches a fresh
+re-sends full state). A connect counts once the detokenizer's empty first response arrives
+(`ringserve.reconnect.handshake`; without it, try again, so a call stuck in a broken channel cannot
+hold the stream down forever). On every (re)connect the stream is marked usable only when the engine
+thread sends the resync batch (`on_connect` asks for it), so no delta without its params reaches a fresh
 detokenizer ahead of the resync.
 """
 
@@ -19,13 +19,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from ringserve.grpc_server import client_channel
+from ringserve.reconnect import handshake
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 log = logging.getLogger(__name__)
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 2.0
 QUEUE_BATCHES = 64
-HANDSHAKE_TIMEOUT_S = 5.0  # the detokenizer's empty first PushResponse; without it, reconnect
 
 
 class DetokenizerPusher:
@@ -69,16 +69,15 @@ class DetokenizerPusher:
                 call = stub.Push(wait_for_ready=True)
                 try:
                     await call.write(detokenizer_pb2.PushRequest(scheduler_id=self.scheduler_id))
-                    ack = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
-                    if ack is grpc.aio.EOF:
-                        raise ConnectionError("the detokenizer ended the push stream at the handshake")
+                    if not await handshake(call):
+                        raise ConnectionError("no handshake from the detokenizer on the push stream")
                     self._open = True
                     backoff = BACKOFF_START_S
                     log.info("push stream to detokenizer %s open", self.target)
                     await self._on_state(True)
                     self._on_connect()
                     await self._serve(call)
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError, TimeoutError) as e:
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
                     log.warning("push stream to %s down: %s", self.target,
                                 e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e))
                 finally:

@@ -1,10 +1,11 @@
 """Subscribe(owner) to every detokenizer and feed its TextDeltas to the manager.
 
-A subscription counts as up once the detokenizer's empty first message arrives (the handshake: the
-subscription is registered there); without it within HANDSHAKE_TIMEOUT_S the call is dropped and
-retried, so a call stuck in a broken channel never passes for a live subscription. Each
-(re)subscribe makes the schedulers re-send this owner's requests from offset 0; ReqState drops what it already has. While no subscription is up,
-requests stay alive for `grace_s`; after that they fail with UNAVAILABLE (`on_grace_expired`).
+A subscription counts as up once the detokenizer's empty first message arrives
+(`ringserve.reconnect.handshake`: the subscription is registered there); without it the call is
+dropped and retried, so a call stuck in a broken channel never passes for a live subscription. Each
+(re)subscribe makes the schedulers re-send this owner's requests from offset 0; ReqState drops what
+it already has. While no subscription is up, requests stay alive for `grace_s`; after that they
+fail with UNAVAILABLE (`on_grace_expired`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
-from ringserve.reconnect import reconnect_forever
+from ringserve.reconnect import handshake, reconnect_forever
 from ringserve.finish import finish_from_pb
 from ringserve.grpc_server import client_channel
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
@@ -26,7 +27,6 @@ log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
-HANDSHAKE_TIMEOUT_S = 5.0
 TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
 
 
@@ -107,13 +107,8 @@ class DetokenizerSubscriber:
     async def _subscribe(self, address: str, stub: detokenizer_pb2_grpc.DetokenizerServiceStub) -> None:
         call = stub.Subscribe(detokenizer_pb2.SubscribeRequest(owner=self.owner))
         try:
-            try:
-                ack = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("detokenizer %s: no subscription handshake in %.0fs; retrying", address,
-                            HANDSHAKE_TIMEOUT_S)
-                return
-            if ack is grpc.aio.EOF:
+            if not await handshake(call):
+                log.warning("detokenizer %s: no subscription handshake; retrying", address)
                 return
             self._set_up(address, True)
             while (resp := await call.read()) is not grpc.aio.EOF:
