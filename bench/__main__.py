@@ -1,7 +1,7 @@
 """`make bench`: ringserve (gateway, gRPC, in-process engine) side by side with vLLM CPU.
 
     python -m bench [--quick] [--targets gateway,grpc,engine,vllm,transformers] [--models tiny,100m]
-                    [--workloads A,B,C,D] [--stream-interval N] [--out DIR]
+                    [--workloads A,B,C,D] [--repeats N] [--stream-interval N] [--out DIR]
 
 Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
 Writes DIR/results.json, DIR/results.md (the table) and PNG plots; prints the table at the end.
@@ -28,11 +28,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (about 5 minutes)")
-    ap.add_argument("--targets", default="gateway,grpc,engine,vllm",
+    ap.add_argument("--targets", default="gateway,native,grpc,engine,vllm",
                     help=f"comma list of {','.join(TARGETS)} (default: all but transformers)")
     ap.add_argument("--models", default="tiny", help="comma list of tiny, 100m or model directories")
     ap.add_argument("--workloads", default="", help="comma list of A,B,C,D (or D@4); default all")
     ap.add_argument("--out", type=Path, default=None, help="default .cache/bench/results/<time>")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per workload on each server; the table shows the median run (default 3)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="both servers stream every N tokens (their --stream-interval; default 1)")
     args = ap.parse_args(argv)
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         log("no workload selected")
         return 2
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "quick": args.quick,
+            "repeats": args.repeats,
             "stream_interval": args.stream_interval,
             "targets": {t: DESCRIPTIONS[t] for t in args.targets},
             "workloads": [w.__dict__ | {"request_rate": str(w.request_rate)} for w in wls]}
@@ -77,10 +80,14 @@ def main(argv: list[str] | None = None) -> int:
             "(each run's load average is in results.json)")
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model = resolve(name)
-        run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval)
+        run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval, args.repeats)
     report.write(out, results, meta)
     made = plots.all_plots(results, out)
     print("\n" + report.markdown(results) + "\n", flush=True)
+    extra = report.overhead(results)
+    if extra:
+        print("Gateway overhead, same requests (native /generate vs the tokenizer's gRPC Generate):\n\n"
+              + extra + "\n", flush=True)
     for p in made:
         log(f"plot: {p}")
     log(f"done in {time.monotonic() - t_start:,.0f}s")

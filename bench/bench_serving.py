@@ -54,6 +54,10 @@ def run(w: Workload, base_url: str, model_dir: Path, served_name: str, out_dir: 
     cmd = [str(py), str(script), "--backend", backend, "--base-url", base_url, "--model", str(model_dir),
            "--served-model-name", served_name, "--tokenizer", str(model_dir), *w.bench_serving_args(),
            "--output-file", str(out_file), "--output-details", "--disable-tqdm", "--warmup-requests", "1"]
+    if backend == "sglang" and w.dataset == "random-ids":
+        # Send token ids, as the gRPC target does: the same prompt lengths, so the two measure the
+        # gateway's overhead on the same work (text prompts re-tokenize to ~20% more tokens here).
+        cmd.append("--tokenize-prompt")
     # HOME: bench_serving caches generated-shared-prefix prompts under ~/.cache/sglang keyed without
     # the tokenizer path, so each model gets its own.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -55,6 +55,27 @@ def markdown(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+OVERHEAD_COLUMNS = ["model", "workload", "out tok/s gateway / gRPC", "ITL p50 added ms", "TTFT p50 added ms"]
+
+
+def overhead(results: list[RunResult]) -> str:
+    """The gateway's cost on the same requests: `native` (HTTP /generate, token-id prompts) against
+    `grpc` (the tokenizer's Generate, token-id prompts), per model and workload. Empty without both."""
+    by = {(r.target, r.model, r.workload): r.summary for r in results if r.summary}
+    lines = []
+    for r in results:
+        if r.target != "grpc" or not r.summary or ("native", r.model, r.workload) not in by:
+            continue
+        g, h = r.summary, by[("native", r.model, r.workload)]
+        lines.append([r.model, r.workload, _ratio(h["output_throughput"], g["output_throughput"]),
+                      f"{h['itl_ms']['p50'] - g['itl_ms']['p50']:+.2f}",
+                      f"{h['ttft_ms']['p50'] - g['ttft_ms']['p50']:+.1f}"])
+    if not lines:
+        return ""
+    head = ["| " + " | ".join(OVERHEAD_COLUMNS) + " |", "|" + "---|" * len(OVERHEAD_COLUMNS)]
+    return "\n".join(head + ["| " + " | ".join(row) + " |" for row in lines])
+
+
 def machine() -> dict:
     cpu = ""
     try:
@@ -74,5 +95,7 @@ def write(out: Path, results: list[RunResult], meta: dict) -> Path:
     path = out / "results.json"
     path.write_text(json.dumps({**meta, "machine": machine(), "results": [r.to_dict() for r in results]},
                                indent=1))
-    (out / "results.md").write_text(markdown(results) + "\n")
+    extra = overhead(results)
+    (out / "results.md").write_text(markdown(results) + "\n" + (f"\nGateway overhead, same requests:\n\n{extra}\n"
+                                                                  if extra else ""))
     return path

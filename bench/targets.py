@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench import bench_serving, grpc_client
@@ -29,9 +29,11 @@ DESCRIPTIONS = {
     "engine": "the scheduler's Engine in-process, no RPC (submit/step)",
     "vllm": "vLLM CPU, OpenAI /v1/completions (bench_serving)",
     "transformers": "services/scheduler/bench.py (transformers generate), when present",
-    "native": "ringserve, SGLang-native /generate through the gateway (bench_serving --backend sglang)",
+    "native": "ringserve, SGLang-native /generate through the gateway (bench_serving --backend sglang, "
+              "token-id prompts on random-ids workloads: the same requests as grpc)",
 }
 RINGSERVE_TARGETS = ("gateway", "native", "grpc")
+REPEAT_SEED_STEP = 7919  # workload seeds are small and distinct; repeats step far away from them
 
 
 @dataclass
@@ -58,20 +60,28 @@ def _result(target: str, model: Path, w: Workload, status: str, note: str = "", 
     return RunResult(target, model.name, w.name, w.family, w.request_rate, status, note, **kw)
 
 
-def _measure(target: str, model: Path, w: Workload, fn: Callable[[], tuple[list[RequestRecord], float]],
-             emit: Emit) -> None:
+def _measure(target: str, model: Path, w: Workload, fn: Callable[[Workload], tuple[list[RequestRecord], float]],
+             emit: Emit, repeats: int = 1) -> None:
+    """Run `repeats` times, each with fresh prompts (another seed: no prefix-cache hits from the run
+    before); report the run with the median output throughput (all of them in extra)."""
     t0 = time.monotonic()
     load_before = os.getloadavg()[0]
+    runs = []
     try:
-        recs, dur = fn()
-        s = summarize(recs, dur)
-        status = "ok" if s.failed == 0 else "failed"
-        note = "" if s.failed == 0 else f"{s.failed}/{len(recs)} requests failed: {s.first_error}"
-        # 1-min load average before and after: other work on the machine shows up here
-        emit(_result(target, model, w, status, note, summary=s.to_dict(), wall_s=time.monotonic() - t0,
-                     extra={"loadavg_before": load_before, "loadavg_after": os.getloadavg()[0]}))
+        for rep in range(repeats):
+            recs, dur = fn(replace(w, seed=w.seed + REPEAT_SEED_STEP * rep))
+            runs.append(summarize(recs, dur))
     except Exception as e:  # one run's failure is a result, not the end of the benchmark
         emit(_result(target, model, w, "failed", f"{type(e).__name__}: {e}"[-1500:], wall_s=time.monotonic() - t0))
+        return
+    s = sorted(runs, key=lambda r: r.output_throughput)[len(runs) // 2]
+    failed = next((r for r in runs if r.failed), None)
+    status = "ok" if failed is None else "failed"
+    note = "" if failed is None else f"{failed.failed} requests failed: {failed.first_error}"
+    # 1-min load average before and after: other work on the machine shows up here
+    emit(_result(target, model, w, status, note, summary=s.to_dict(), wall_s=time.monotonic() - t0,
+                 extra={"loadavg_before": load_before, "loadavg_after": os.getloadavg()[0],
+                        "output_throughput_runs": [round(r.output_throughput, 1) for r in runs]}))
 
 
 def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str, note: str, emit: Emit) -> None:
@@ -81,7 +91,7 @@ def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str,
 
 
 def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit,
-                  stream_interval: int = 1) -> None:
+                  stream_interval: int = 1, repeats: int = 1) -> None:
     from bench.ringserve_server import start_ringserve
 
     try:
@@ -92,18 +102,20 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
     try:
         for w in wls:
             if "gateway" in targets:
-                _measure("gateway", model, w, lambda: bench_serving.run(w, rs.gateway_url, model, model.name,
-                                                                         out / "raw")[:2], emit)
+                _measure("gateway", model, w, lambda wr: bench_serving.run(wr, rs.gateway_url, model, model.name,
+                                                                         out / "raw")[:2], emit, repeats)
             if "native" in targets:
-                _measure("native", model, w, lambda: bench_serving.run(w, rs.gateway_url, model, model.name,
-                                                                        out / "raw", backend="sglang")[:2], emit)
+                _measure("native", model, w, lambda wr: bench_serving.run(wr, rs.gateway_url, model, model.name,
+                                                                        out / "raw", backend="sglang")[:2],
+                         emit, repeats)
             if "grpc" in targets:
-                _measure("grpc", model, w, lambda: grpc_client.run(w, rs.grpc_target, model), emit)
+                _measure("grpc", model, w, lambda wr: grpc_client.run(wr, rs.grpc_target, model), emit, repeats)
     finally:
         rs.server.stop()
 
 
-def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_interval: int = 1) -> None:
+def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_interval: int = 1,
+             repeats: int = 1) -> None:
     from bench.vllm_server import start_vllm
 
     try:
@@ -113,7 +125,8 @@ def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_int
         return
     try:
         for w in wls:
-            _measure("vllm", model, w, lambda: bench_serving.run(w, base, model, model.name, out / "raw")[:2], emit)
+            _measure("vllm", model, w, lambda wr: bench_serving.run(wr, base, model, model.name, out / "raw")[:2],
+                     emit, repeats)
     finally:
         srv.stop()
 
@@ -187,14 +200,15 @@ def parse_scheduler_bench(text: str) -> dict[str, dict[str, float]]:
 
 
 def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit,
-              stream_interval: int = 1) -> None:
+              stream_interval: int = 1, repeats: int = 1) -> None:
     """Every selected target on one model, one server at a time (they would compete for 2 cores).
-    Both servers stream every `stream_interval` tokens (--stream-interval on each)."""
+    Both servers stream every `stream_interval` tokens (--stream-interval on each); the served
+    targets run each workload `repeats` times and report the median run."""
     groups: list[tuple[list[str], Callable[[], None]]] = [
         (list(RINGSERVE_TARGETS), lambda: run_ringserve([t for t in targets if t in RINGSERVE_TARGETS],
-                                                        model, wls, out, emit, stream_interval)),
+                                                        model, wls, out, emit, stream_interval, repeats)),
         (["engine"], lambda: run_engine(model, wls, quick, out, emit)),
-        (["vllm"], lambda: run_vllm(model, wls, out, emit, stream_interval)),
+        (["vllm"], lambda: run_vllm(model, wls, out, emit, stream_interval, repeats)),
         (["transformers"], lambda: run_transformers(model, wls, out, emit)),
     ]
     for names, fn in groups:

@@ -32,7 +32,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = GatewayState(config, Backend(config.tokenizer, config.tls))
+        state = GatewayState(config, Backend(config.tokenizer, config.tls, config.tokenizer_streams))
         holder["state"] = app.state.gateway = state
         try:
             await state.backend.model_info(wait_s=config.startup_timeout_s)

@@ -1,6 +1,8 @@
 """The gateway's one gRPC channel to the tokenizer's InferenceService, and the calls it makes.
 
-Every call fails fast (no wait_for_ready): while the tokenizer is away the client gets a 503 at
+Generations go over a few long-lived GenerateStream calls (gateway.multiplex), taken in turn, so
+that a busy gateway sends and receives one message per step instead of one per token per request;
+with `streams=0` each request is its own Generate call. Every call fails fast (no wait_for_ready): while the tokenizer is away the client gets a 503 at
 once instead of a request that hangs. A generation stream that is closed early (the HTTP client
 went away) cancels its gRPC call, which makes the tokenizer abort the request at the scheduler.
 """
@@ -14,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import from_rpc
+from gateway.multiplex import GenerateMux
 from ringserve.grpc_server import client_channel
 from ringserve.tls import TlsConfig
 from ringserve.v1 import api_pb2 as pb
@@ -25,19 +28,46 @@ INFO_TIMEOUT_S = 10.0  # unary control calls; generation has no deadline (output
 
 
 class Backend:
-    def __init__(self, target: str, tls: TlsConfig | None = None) -> None:
+    def __init__(self, target: str, tls: TlsConfig | None = None, streams: int = 2) -> None:
         self.target = target
         self.channel = client_channel(target, tls)
         self.stub = api_pb2_grpc.InferenceServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self._model_info: pb.GetModelInfoResponse | None = None
+        self._muxes: list[GenerateMux | None] = [None] * streams
+        self._turn = 0
+        self._opened = 0
 
     async def close(self) -> None:
+        for mux in self._muxes:
+            if mux is not None:
+                await mux.close()
         await self.channel.close()
+
+    def _mux(self) -> GenerateMux:
+        """The next stream in turn, reopened if it broke (a new call may reach another replica)."""
+        i = self._turn % len(self._muxes)
+        self._turn += 1
+        mux = self._muxes[i]
+        if mux is None or not mux.alive:
+            self._opened += 1
+            mux = self._muxes[i] = GenerateMux(self.stub, f"generate stream {self._opened}")
+            log.info("%s opened to %s", mux.name, self.target)
+        return mux
 
     async def generate(self, req: pb.GenerateRequest,
                        param_map: dict[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the tokenizer's messages; a failed call raises GatewayError (mapped status)."""
+        # The stream is picked at the first read, not when the route builds this generator.
+        stream = self._mux().generate(req, param_map) if self._muxes else self._generate_call(req, param_map)
+        try:
+            async for msg in stream:
+                yield msg
+        finally:
+            await stream.aclose()
+
+    async def _generate_call(self, req: pb.GenerateRequest,
+                             param_map: dict[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(req)
         try:
             async for msg in call:

@@ -34,6 +34,9 @@ class GatewayConfig(TlsConfig):
     port: int = field(default=30000, metadata={"help": "HTTP port (0 picks a free one)"})
     tokenizer: str = field(default="127.0.0.1:50051",
                            metadata={"help": "tokenizer InferenceService gRPC target (host:port or dns:///...)"})
+    tokenizer_streams: int = field(default=2, metadata={
+        "help": "long-lived GenerateStream calls that carry all generations to the tokenizer, "
+                "batched per step (0: one Generate call per request)"})
     api_key: tuple[str, ...] = field(default=(), metadata={"help": "accepted API key (repeatable)"})
     api_key_file: str | None = field(default=None, metadata={"help": "file with one API key per line"})
     public_health: bool = field(default=True, metadata={"help": "serve /health* without an API key"})
@@ -48,6 +51,8 @@ class GatewayConfig(TlsConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_size(self.max_body_bytes)  # fail at startup, not at the first request
+        if self.tokenizer_streams < 0:
+            raise ValueError(f"tokenizer_streams: must be >= 0, got {self.tokenizer_streams}")
         if self.api_key_file is not None and not Path(self.api_key_file).is_file():
             raise ValueError(f"api_key_file: no such file {self.api_key_file!r}")
 

@@ -61,6 +61,7 @@ class TokenizerServer:
         self.grpc = GrpcService("tokenizer", cfg.address, [SERVICE_NAME],
                                 lambda server: api_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
                                 tls=cfg.tls)
+        servicer.stopping = self.grpc.stopping
         self._serving = False
         self._health_lock = asyncio.Lock()
         self._health_tasks: set[asyncio.Task[None]] = set()

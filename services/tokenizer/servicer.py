@@ -7,6 +7,7 @@ manager's `finally` then aborts the request at its scheduler and drops it from r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -17,6 +18,7 @@ from ringserve.errors import InvalidArgument
 from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 
+from .generate_session import GenerateSession
 from .io_struct import ChatInput, GenerateInput, GenerateOutput, LoadInfo, SamplingInput
 from .routing import SchedulerView
 from .tokenizer_manager import TokenizerManager
@@ -93,9 +95,9 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         self.routing_policy = routing_policy
         self.views = views
         self.detokenizer_connected = detokenizer_connected
+        self.stopping: asyncio.Event | None = None  # the server's drain signal, for GenerateStream
 
-    async def Generate(self, request: api_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateResponse]:
+    async def _generate(self, request: api_pb2.GenerateRequest) -> AsyncIterator[api_pb2.GenerateResponse]:
         outputs = self.manager.generate(generate_from_pb(request))
         try:
             async for out in outputs:
@@ -103,6 +105,26 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         finally:
             # Cancel/deadline: close the manager's generator now (not at GC) so its finally aborts.
             await outputs.aclose()
+
+    async def Generate(self, request: api_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateResponse]:
+        outputs = self._generate(request)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    async def GenerateStream(self, request_iterator: AsyncIterator[api_pb2.GenerateStreamRequest],
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateStreamResponse]:
+        session = GenerateSession(self._generate, self.stopping)
+        feed = asyncio.ensure_future(session.feed(request_iterator))
+        try:
+            async for batch in session.batches():
+                yield batch
+        finally:
+            feed.cancel()
+            await session.close()
 
     async def Abort(self, request: api_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> api_pb2.AbortResponse:
         return api_pb2.AbortResponse(found=self.manager.abort(request.rid))

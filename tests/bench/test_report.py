@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from bench.report import markdown
+from bench.report import markdown, overhead
 from bench.stats import RequestRecord, summarize
 from bench.targets import RunResult
 
 
-def _ok(target: str, tok_per_s: float, ttft: float) -> RunResult:
-    recs = [RequestRecord(ok=True, prompt_len=10, output_len=int(tok_per_s), ttft=ttft, itls=[0.01], e2e=1.0)]
+def _ok(target: str, tok_per_s: float, ttft: float, itl: float = 0.01) -> RunResult:
+    recs = [RequestRecord(ok=True, prompt_len=10, output_len=int(tok_per_s), ttft=ttft, itls=[itl], e2e=1.0)]
     return RunResult(target, "m", "A", "A", float("inf"), "ok", summary=summarize(recs, 1.0).to_dict())
 
 
@@ -29,3 +29,9 @@ def test_parse_scheduler_bench_lines() -> None:
     text = ("model tiny\n  c=1   engine       64 tokens in   0.50s =    128.0 tok/s\n"
             "  c=1   hf-seq failed: RuntimeError: x\n  c=32  hf-cb      2048 tokens in   1.00s =   2048.0 tok/s\n")
     assert parse_scheduler_bench(text) == {"c=1": {"engine": 128.0}, "c=32": {"hf-cb": 2048.0}}
+
+
+def test_gateway_overhead_is_native_against_grpc() -> None:
+    assert overhead([_ok("gateway", 500, 0.2), _ok("vllm", 1000, 0.1)]) == ""
+    table = overhead([_ok("native", 950, 0.25, itl=0.0105), _ok("grpc", 1000, 0.2, itl=0.01)]).splitlines()
+    assert table[2].split(" | ")[2:] == ["0.95x", "+0.50", "+50.0 |"]

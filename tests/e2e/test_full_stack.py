@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
 import re
 import threading
 import time
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from ringserve.text_tokenizer import TextTokenizer
-from ringserve.v1 import api_pb2_grpc
+from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 from tests.e2e.grpc_client import server_info
 from tests.e2e.reference import PROMPTS, greedy_body, greedy_reference
 from tests.e2e.stack import Stack, running_stack
@@ -74,14 +75,66 @@ def test_closing_streams_frees_the_scheduler(stack: Stack) -> None:
     for t in threads:
         t.join(30)
     with grpc.insecure_channel(stack.tokenizer) as ch:
+        _wait_idle(api_pb2_grpc.InferenceServiceStub(ch))
+
+
+def _wait_idle(stub: api_pb2_grpc.InferenceServiceStub, within_s: float = 10) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        info = server_info(stub)
+        if info.num_running_reqs == 0 and info.num_queue_reqs == 0 and info.rid_to_state_size == 0:
+            return
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)  # polling a counter that is expected to drain, not waiting for readiness
+
+
+def test_generate_stream_carries_many_generations_on_one_call(stack: Stack, model_dir: str) -> None:
+    tok = TextTokenizer.from_model(model_dir)
+    reference = greedy_reference(model_dir, PROMPTS, 16)
+
+    def generate(rid: str, text: str, n: int, **sp: float) -> api_pb2.GenerateStreamRequest:
+        params = common_pb2.SamplingParams(**{"temperature": 0.0, "max_new_tokens": n, "min_new_tokens": n, **sp})
+        return api_pb2.GenerateStreamRequest(generate=api_pb2.GenerateRequest(
+            rid=rid, text=text, stream=True, sampling_params=params))
+
+    outbox: queue.Queue[api_pb2.GenerateStreamRequest | None] = queue.Queue()
+    for i, p in enumerate(PROMPTS):
+        outbox.put(generate(f"s{i}", p, 16))
+    outbox.put(generate("bad", "x", 8, temperature=-1.0))
+    outbox.put(generate("long", "cancel me", 2000))
+
+    def instructions():  # the client's side of the stream: open until every answer is in
+        while (msg := outbox.get()) is not None:
+            yield msg
+
+    ids: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+    statuses: dict[str, api_pb2.GenerateStatus] = {}
+    rids_per_message: list[int] = []
+    cancelled = closed = False
+    with grpc.insecure_channel(stack.tokenizer) as ch:
         stub = api_pb2_grpc.InferenceServiceStub(ch)
-        deadline = time.monotonic() + 10
-        while True:
-            info = server_info(stub)
-            if info.num_running_reqs == 0 and info.num_queue_reqs == 0 and info.rid_to_state_size == 0:
-                break
-            assert time.monotonic() < deadline, info
-            time.sleep(0.2)  # polling a counter that is expected to drain, not waiting for readiness
+        for resp in stub.GenerateStream(instructions(), timeout=120):
+            rids_per_message.append(len({o.rid for o in resp.outputs}))
+            for o in resp.outputs:
+                ids.setdefault(o.rid, []).extend(o.output_ids)
+                texts[o.rid] = texts.get(o.rid, "") + o.text
+            statuses.update({st.rid: st for st in resp.statuses})
+            if not cancelled and len(ids.get("long", [])) >= 4:
+                outbox.put(api_pb2.GenerateStreamRequest(cancel="long"))
+                cancelled = True
+            if cancelled and not closed and len(statuses) == len(PROMPTS) + 1:
+                outbox.put(None)  # half-close: the server ends the stream once nothing runs
+                closed = True
+        for i, p in enumerate(PROMPTS):
+            assert statuses[f"s{i}"].code == 0
+            assert ids[f"s{i}"] == reference[p], p
+            assert texts[f"s{i}"] == tok.decode(ids[f"s{i}"])
+        assert statuses["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert statuses["bad"].message.startswith("sampling_params.temperature")
+        assert "long" not in statuses  # a cancelled generation gets no status
+        assert max(rids_per_message) > 1  # one message carried several generations' outputs
+        _wait_idle(stub)  # the cancel aborted "long" at the scheduler
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.tokenizer.generate_session import GenerateSession
+
+from ringserve.errors import ServiceError
 from ringserve.v1 import api_pb2 as pb
 from ringserve.v1 import api_pb2_grpc
 from ringserve.v1 import common_pb2
@@ -84,6 +87,12 @@ def plan_sample(req: pb.GenerateRequest, prompt: str, sample: int) -> Plan:
     return plan
 
 
+def _error(code: str, message: str) -> ServiceError:
+    err = ServiceError(message)
+    err.code = grpc.StatusCode[code]
+    return err
+
+
 class FakeInference(api_pb2_grpc.InferenceServiceServicer):
     def __init__(self) -> None:
         self.calls: list[pb.GenerateRequest] = []
@@ -100,13 +109,31 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
         self.flush_ok = True
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            async for msg in self._outputs(request):
+                yield msg
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
+
+    async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
+        # The tokenizer's own session over the fake's outputs, as the real servicer wires it.
+        session = GenerateSession(self._outputs)
+        feed = asyncio.ensure_future(session.feed(request_iterator))
+        try:
+            async for batch in session.batches():
+                yield batch
+        finally:
+            feed.cancel()
+            await session.close()
+
+    async def _outputs(self, request: pb.GenerateRequest):
         self.calls.append(request)
         prompt, prompt_tokens = prompt_of(request)
         if prompt.startswith("ERR "):
             _, code, msg = prompt.split(" ", 2)
-            await context.abort(grpc.StatusCode[code], msg)
+            raise _error(code, msg)
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
-        rids = [request.rid] if n == 1 else [f"{request.rid}-{i}" for i in range(n)]
+        rids = [request.rid] * n  # the real tokenizer names every sample by the client rid
         plans = [plan_sample(request, prompt, i) for i in range(n)]
         if prompt.startswith("ABORT"):
             for p in plans:
@@ -114,13 +141,13 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
                 p.finish = common_pb2.FinishReason(type="abort", message="aborted by request")
         try:
             if request.stream:
-                async for msg in self._stream(request, plans, rids, prompt, prompt_tokens, context):
+                async for msg in self._stream(request, plans, rids, prompt, prompt_tokens):
                     yield msg
             else:
                 if prompt.startswith("SLOW"):
                     await asyncio.sleep(30)  # a long non-streamed generation
                 for i, p in enumerate(plans):
-                    msg = pb.GenerateResponse(rid=rids[i], index=i, finished=True,
+                    msg = pb.GenerateResponse(rid=request.rid, index=i, finished=True,
                                               text="".join(s.text for s in p.steps))
                     for s in p.steps:
                         msg.output_ids.extend(s.ids)
@@ -132,12 +159,12 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
             self.cancel_event.set()
             raise
 
-    async def _stream(self, request, plans, rids, prompt, prompt_tokens, context):
+    async def _stream(self, request, plans, rids, prompt, prompt_tokens):
         longest = max(len(p.steps) for p in plans)
         for k in range(longest):
             if prompt.startswith("MIDERR") and k == 2:
                 _, code, msg = prompt.split(" ", 2)
-                await context.abort(grpc.StatusCode[code], msg)
+                raise _error(code, msg)
             if prompt.startswith("SLOW"):
                 await asyncio.sleep(0.02)  # simulated decode time, not a readiness wait
             for i, p in enumerate(plans):
@@ -145,14 +172,14 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
                     continue
                 s = p.steps[k]
                 last = k == len(p.steps) - 1
-                msg = pb.GenerateResponse(rid=rids[i], index=i, text=s.text, output_ids=s.ids,
+                msg = pb.GenerateResponse(rid=request.rid, index=i, text=s.text, output_ids=s.ids,
                                           logprobs=s.logprobs, finished=last)
                 msg.meta_info.CopyFrom(self._meta(rids[i], prompt_tokens, k + 1,
                                                   p.finish if last else common_pb2.FinishReason()))
                 yield msg
         for i, p in enumerate(plans):  # samples that produced nothing still finish
             if not p.steps:
-                msg = pb.GenerateResponse(rid=rids[i], index=i, finished=True)
+                msg = pb.GenerateResponse(rid=request.rid, index=i, finished=True)
                 msg.meta_info.CopyFrom(self._meta(rids[i], prompt_tokens, 0, p.finish))
                 yield msg
 
