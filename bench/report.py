@@ -60,8 +60,10 @@ OVERHEAD_COLUMNS = ["model", "workload", "out tok/s gateway / gRPC", "ITL p50 ad
 
 def overhead(results: list[RunResult]) -> str:
     """The gateway's cost on the same requests: `native` (HTTP /generate, token-id prompts) against
-    `grpc` (the tokenizer's Generate, token-id prompts), per model and workload. Empty without both."""
-    by = {(r.target, r.model, r.workload): r.summary for r in results if r.summary}
+    `grpc` (the tokenizer's Generate, token-id prompts), per model and workload where native sent
+    token ids (on text prompts the two do different work). Empty without such pairs."""
+    by = {(r.target, r.model, r.workload): r.summary for r in results
+          if r.summary and (r.target != "native" or r.extra.get("token_id_prompts"))}
     lines = []
     for r in results:
         if r.target != "grpc" or not r.summary or ("native", r.model, r.workload) not in by:

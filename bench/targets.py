@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,9 +62,12 @@ def _result(target: str, model: Path, w: Workload, status: str, note: str = "", 
 
 
 def _measure(target: str, model: Path, w: Workload, fn: Callable[[Workload], tuple[list[RequestRecord], float]],
-             emit: Emit, repeats: int = 1) -> None:
+             emit: Emit, repeats: int = 1, **extra: object) -> None:
     """Run `repeats` times, each with fresh prompts (another seed: no prefix-cache hits from the run
-    before); report the run with the median output throughput (all of them in extra)."""
+    before); report the run with the median output throughput (all of them in extra). Points of a
+    request-rate sweep run once: they are long, and they are read as a curve."""
+    if not math.isinf(w.request_rate):
+        repeats = 1
     t0 = time.monotonic()
     load_before = os.getloadavg()[0]
     runs = []
@@ -81,7 +85,7 @@ def _measure(target: str, model: Path, w: Workload, fn: Callable[[Workload], tup
     # 1-min load average before and after: other work on the machine shows up here
     emit(_result(target, model, w, status, note, summary=s.to_dict(), wall_s=time.monotonic() - t0,
                  extra={"loadavg_before": load_before, "loadavg_after": os.getloadavg()[0],
-                        "output_throughput_runs": [round(r.output_throughput, 1) for r in runs]}))
+                        "output_throughput_runs": [round(r.output_throughput, 1) for r in runs], **extra}))
 
 
 def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str, note: str, emit: Emit) -> None:
@@ -107,7 +111,7 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
             if "native" in targets:
                 _measure("native", model, w, lambda wr: bench_serving.run(wr, rs.gateway_url, model, model.name,
                                                                         out / "raw", backend="sglang")[:2],
-                         emit, repeats)
+                         emit, repeats, token_id_prompts=w.dataset == "random-ids")
             if "grpc" in targets:
                 _measure("grpc", model, w, lambda wr: grpc_client.run(wr, rs.grpc_target, model), emit, repeats)
     finally:

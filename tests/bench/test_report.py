@@ -33,5 +33,8 @@ def test_parse_scheduler_bench_lines() -> None:
 
 def test_gateway_overhead_is_native_against_grpc() -> None:
     assert overhead([_ok("gateway", 500, 0.2), _ok("vllm", 1000, 0.1)]) == ""
-    table = overhead([_ok("native", 950, 0.25, itl=0.0105), _ok("grpc", 1000, 0.2, itl=0.01)]).splitlines()
+    native = _ok("native", 950, 0.25, itl=0.0105)
+    assert overhead([native, _ok("grpc", 1000, 0.2)]) == ""  # text prompts: not the same requests
+    native.extra["token_id_prompts"] = True
+    table = overhead([native, _ok("grpc", 1000, 0.2, itl=0.01)]).splitlines()
     assert table[2].split(" | ")[2:] == ["0.95x", "+0.50", "+50.0 |"]
