@@ -84,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write(out, results, meta)
     made = plots.all_plots(results, out)
     print("\n" + report.markdown(results) + "\n", flush=True)
-    extra = report.overhead(results)
-    if extra:
-        print("Gateway overhead, same requests (native /generate vs the tokenizer's gRPC Generate):\n\n"
-              + extra + "\n", flush=True)
+    print(report.sections(results), flush=True)
     for p in made:
         log(f"plot: {p}")
     log(f"done in {time.monotonic() - t_start:,.0f}s")

@@ -58,6 +58,13 @@ def run_one(engine, w: Workload, prompts: list[list[int]]) -> tuple[list[Request
     return [r for r in records if r is not None], time.perf_counter() - start
 
 
+def _profile(engine) -> dict[str, float]:
+    """The step counters the served targets scrape from /metrics (bench.step_profile.FIELDS)."""
+    st = engine.scheduler.stats
+    return {"prefill_steps": st.prefill_steps, "decode_steps": st.decode_steps, "prefill_s": st.prefill_s,
+            "decode_s": st.decode_s, "decode_rows": st.decode_rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
@@ -84,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         # One warm-up request first, like the other targets (the prefix cache is never flushed,
         # as in the servers; each workload has its own seed, so only the warm-up prompt repeats).
         run_one(engine, replace(w, num_prompts=1, request_rate=math.inf, max_concurrency=None), prompts[:1])
+        before = _profile(engine)
         recs, dur = run_one(engine, w, prompts)
-        results.append({"workload": w.name, "duration_s": dur, "records": [r.__dict__ for r in recs]})
+        after = _profile(engine)
+        results.append({"workload": w.name, "duration_s": dur, "records": [r.__dict__ for r in recs],
+                        "step_profile": {k: after[k] - before[k] for k in after}})
         print(f"[engine] {w.name}: {sum(r.output_len for r in recs) / dur:.0f} output tok/s", flush=True)
     args.out.write_text(json.dumps(results))
     return 0

@@ -1,4 +1,8 @@
-"""Load on the tokenizer's public gRPC API: InferenceService.Generate, streaming, prompt as input_ids."""
+"""Load on the tokenizer's public gRPC API: InferenceService.Generate, streaming, prompt as input_ids.
+
+Each request asks for `return_timings`, so the record carries the server's own account of where its
+time went (tokenize, queue, prefill, decode, the ring's hops, detokenize) for the report.
+"""
 
 from __future__ import annotations
 
@@ -26,15 +30,21 @@ async def _run(w: Workload, target: str, prompts: list[list[int]]) -> tuple[list
             ids = prompts[i]
             req = api_pb2.GenerateRequest(
                 rid=f"bench-{uuid.uuid4().hex[:12]}", input_ids=api_pb2.TokenIds(ids=ids), stream=True,
+                return_timings=True,
                 sampling_params=common_pb2.SamplingParams(temperature=0.0, max_new_tokens=w.output_len,
                                                           ignore_eos=True))
             timer = StreamTimer(time.perf_counter())
+            timings: dict[str, float] = {}
             try:
                 async for resp in stub.Generate(req, timeout=1800):
                     timer.chunk(time.perf_counter(), len(resp.output_ids))
+                    if resp.finished and resp.meta_info.HasField("timings"):
+                        timings = {f.name: v for f, v in resp.meta_info.timings.ListFields()}
             except grpc.aio.AioRpcError as e:
                 return RequestRecord(ok=False, prompt_len=len(ids), error=f"{e.code().name}: {e.details()}")
-            return timer.record(len(ids), time.perf_counter())
+            rec = timer.record(len(ids), time.perf_counter())
+            rec.timings = timings
+            return rec
 
         return await drive(w, send)
 

@@ -72,10 +72,54 @@ def overhead(results: list[RunResult]) -> str:
         lines.append([r.model, r.workload, _ratio(h["output_throughput"], g["output_throughput"]),
                       f"{h['itl_ms']['p50'] - g['itl_ms']['p50']:+.2f}",
                       f"{h['ttft_ms']['p50'] - g['ttft_ms']['p50']:+.1f}"])
-    if not lines:
+    return _table(OVERHEAD_COLUMNS, lines)
+
+
+PROFILE_COLUMNS = ["model", "workload", "target", "prefill steps", "ms / prefill step", "decode steps",
+                   "ms / decode step", "requests / decode step"]
+TIMING_FIELDS = ["tokenize_s", "to_scheduler_s", "queue_s", "prefill_s", "decode_s", "ring_hops_s",
+                 "detokenize_s", "ttft_s", "e2e_s"]
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> str:
+    if not rows:
         return ""
-    head = ["| " + " | ".join(OVERHEAD_COLUMNS) + " |", "|" + "---|" * len(OVERHEAD_COLUMNS)]
-    return "\n".join(head + ["| " + " | ".join(row) + " |" for row in lines])
+    head = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(head + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def step_profiles(results: list[RunResult]) -> str:
+    """The scheduler's steps during each run (all repeats): the served targets against the engine
+    in-process show what running next to the other processes costs the forward."""
+    rows = []
+    for r in results:
+        p = r.extra.get("step_profile")
+        if p:
+            rows.append([r.model, r.workload, r.target, _f(p["prefill_steps"]), _f(p["prefill_ms_per_step"], 1),
+                         _f(p["decode_steps"]), _f(p["decode_ms_per_step"], 2), _f(p["decode_batch"], 1)])
+    return _table(PROFILE_COLUMNS, rows)
+
+
+def boundaries(results: list[RunResult]) -> str:
+    """Where a request's time goes, by the server's own per-request timings (the grpc target asks
+    for them): medians in ms."""
+    rows = []
+    for r in results:
+        t = (r.summary or {}).get("timings_ms") or {}
+        if t:
+            rows.append([r.model, r.workload, r.target] + [_f(t.get(k), 1) for k in TIMING_FIELDS])
+    return _table(["model", "workload", "target"] + [k.removesuffix("_s") for k in TIMING_FIELDS], rows)
+
+
+def sections(results: list[RunResult]) -> str:
+    """Everything after the main table, as markdown."""
+    parts = [("Gateway overhead, same requests (native /generate vs the tokenizer's gRPC Generate)",
+              overhead(results)),
+             ("Scheduler step profile (forward, sampling and results per step; all repeats)",
+              step_profiles(results)),
+             ("Where a request's time goes (per-request medians from the server's timings, ms)",
+              boundaries(results))]
+    return "".join(f"\n{title}:\n\n{table}\n" for title, table in parts if table)
 
 
 def machine() -> dict:
@@ -97,7 +141,5 @@ def write(out: Path, results: list[RunResult], meta: dict) -> Path:
     path = out / "results.json"
     path.write_text(json.dumps({**meta, "machine": machine(), "results": [r.to_dict() for r in results]},
                                indent=1))
-    extra = overhead(results)
-    (out / "results.md").write_text(markdown(results) + "\n" + (f"\nGateway overhead, same requests:\n\n{extra}\n"
-                                                                  if extra else ""))
+    (out / "results.md").write_text(markdown(results) + "\n" + sections(results))
     return path

@@ -21,6 +21,7 @@ class Ringserve:
     server: Server
     gateway_url: str
     grpc_target: str
+    scheduler_metrics: str  # its /metrics: the step profile
 
 
 FAIL_MARKERS = ("Error while finding module specification", "ModuleNotFoundError", "startup stopped:")
@@ -28,12 +29,14 @@ FAIL_MARKERS = ("Error while finding module specification", "ModuleNotFoundError
 
 def start_ringserve(model: Path, timeout: float = 300, extra: list[str] = ()) -> Ringserve:
     ports = {k: free_port() for k in ("gateway", "tokenizer", "scheduler", "detokenizer")}
+    sched_metrics = free_port()
     host = "127.0.0.1"
     cmd = [sys.executable, "-m", "ringserve.launcher", "--model", str(model), "--host", host, "--no-restart",
            "--startup-timeout-s", str(int(timeout)),
            *[a for k, p in ports.items() for a in (f"--{k}-port", str(p))],
-           # metrics endpoints are not benchmarked
-           "--tokenizer-metrics-port", "-1", "--scheduler-metrics-port", "-1", "--detokenizer-metrics-port", "-1",
+           # the scheduler's metrics give the step profile; the others are not read
+           "--tokenizer-metrics-port", "-1", "--scheduler-metrics-port", str(sched_metrics),
+           "--detokenizer-metrics-port", "-1",
            *extra]
     gateway = f"http://{host}:{ports['gateway']}"
     # A service that cannot even be imported fails the start at once instead of after the timeout.
@@ -44,4 +47,4 @@ def start_ringserve(model: Path, timeout: float = 300, extra: list[str] = ()) ->
     except BaseException:
         srv.stop()
         raise
-    return Ringserve(srv, gateway, f"{host}:{ports['tokenizer']}")
+    return Ringserve(srv, gateway, f"{host}:{ports['tokenizer']}", f"http://{host}:{sched_metrics}/metrics")

@@ -27,6 +27,7 @@ class RequestRecord:
     itls: list[float] = field(default_factory=list)
     e2e: float = 0.0
     error: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # the server's per-boundary seconds, if sent
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Summary:
     e2e_ms: dict[str, float]
     tpot_ms: dict[str, float] = field(default_factory=dict)  # (e2e - TTFT) / (output tokens - 1)
     first_error: str = ""
+    timings_ms: dict[str, float] = field(default_factory=dict)  # per-boundary medians, when the server sent them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,6 +82,8 @@ def summarize(records: list[RequestRecord], duration_s: float) -> Summary:
         e2e_ms=_pcts_ms([r.e2e for r in ok]),
         tpot_ms=_pcts_ms([(r.e2e - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]),
         first_error=failed[0].error[-500:] if failed else "",
+        timings_ms={k: percentile([r.timings[k] for r in ok if k in r.timings], 50) * 1000.0
+                    for k in sorted({k for r in ok for k in r.timings})},
     )
 
 

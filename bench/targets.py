@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench import bench_serving, grpc_client
+from bench import bench_serving, grpc_client, step_profile
 from bench.stats import RequestRecord, summarize
 from bench.venvs import ROOT, log
 from bench.workloads import Workload
@@ -35,6 +35,9 @@ DESCRIPTIONS = {
 }
 RINGSERVE_TARGETS = ("gateway", "native", "grpc")
 REPEAT_SEED_STEP = 7919  # workload seeds are small and distinct; repeats step far away from them
+# gateway and native both draw prompts from bench_serving on one server: with the same seed native
+# would find every prompt in the prefix cache the gateway's runs left behind.
+SEED_OFFSETS = {"native": 104729}
 
 
 @dataclass
@@ -62,7 +65,8 @@ def _result(target: str, model: Path, w: Workload, status: str, note: str = "", 
 
 
 def _measure(target: str, model: Path, w: Workload, fn: Callable[[Workload], tuple[list[RequestRecord], float]],
-             emit: Emit, repeats: int = 1, **extra: object) -> None:
+             emit: Emit, repeats: int = 1, profile: Callable[[], dict[str, float]] | None = None,
+             **extra: object) -> None:
     """Run `repeats` times, each with fresh prompts (another seed: no prefix-cache hits from the run
     before); report the run with the median output throughput (all of them in extra). Points of a
     request-rate sweep run once: they are long, and they are read as a curve."""
@@ -72,9 +76,12 @@ def _measure(target: str, model: Path, w: Workload, fn: Callable[[Workload], tup
     load_before = os.getloadavg()[0]
     runs = []
     try:
+        before = profile() if profile else None
         for rep in range(repeats):
-            recs, dur = fn(replace(w, seed=w.seed + REPEAT_SEED_STEP * rep))
+            recs, dur = fn(replace(w, seed=w.seed + REPEAT_SEED_STEP * rep + SEED_OFFSETS.get(target, 0)))
             runs.append(summarize(recs, dur))
+        if profile and before is not None:  # over all the repeats
+            extra["step_profile"] = step_profile.summary(step_profile.delta(before, profile()))
     except Exception as e:  # one run's failure is a result, not the end of the benchmark
         emit(_result(target, model, w, "failed", f"{type(e).__name__}: {e}"[-1500:], wall_s=time.monotonic() - t0))
         return
@@ -103,17 +110,19 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
     except Exception as e:
         _fail_all(targets, model, wls, "failed", f"ringserve did not start: {str(e)[-1200:]}", emit)
         return
+    profile = lambda: step_profile.scrape(rs.scheduler_metrics)  # noqa: E731
     try:
         for w in wls:
             if "gateway" in targets:
                 _measure("gateway", model, w, lambda wr: bench_serving.run(wr, rs.gateway_url, model, model.name,
-                                                                         out / "raw")[:2], emit, repeats)
+                                                                         out / "raw")[:2], emit, repeats, profile)
             if "native" in targets:
                 _measure("native", model, w, lambda wr: bench_serving.run(wr, rs.gateway_url, model, model.name,
                                                                         out / "raw", backend="sglang")[:2],
-                         emit, repeats, token_id_prompts=w.dataset == "random-ids")
+                         emit, repeats, profile, token_id_prompts=w.dataset == "random-ids")
             if "grpc" in targets:
-                _measure("grpc", model, w, lambda wr: grpc_client.run(wr, rs.grpc_target, model), emit, repeats)
+                _measure("grpc", model, w, lambda wr: grpc_client.run(wr, rs.grpc_target, model), emit, repeats,
+                         profile)
     finally:
         rs.server.stop()
 
@@ -159,7 +168,9 @@ def run_engine(model: Path, wls: list[Workload], quick: bool, out: Path, emit: E
             emit(_result("engine", model, w, "failed", "no result"))
             continue
         s = summarize([RequestRecord(**d) for d in r["records"]], r["duration_s"])
-        emit(_result("engine", model, w, "ok", summary=s.to_dict(), wall_s=(time.monotonic() - t0) / len(wls)))
+        extra = {"step_profile": step_profile.summary(r["step_profile"])} if "step_profile" in r else {}
+        emit(_result("engine", model, w, "ok", summary=s.to_dict(), wall_s=(time.monotonic() - t0) / len(wls),
+                     extra=extra))
 
 
 def run_transformers(model: Path, wls: list[Workload], out: Path, emit: Emit) -> None:

@@ -44,6 +44,12 @@ class Load:
     cache_hit_rate: float = 0.0
     gen_throughput: float = 0.0
     num_retracted_reqs: int = 0
+    # The step profile since start (SchedulerStats): steps, seconds, requests per decode step.
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_rows: int = 0
 
 
 class Engine:
@@ -179,7 +185,9 @@ class Engine:
             num_used_tokens=used, max_total_num_tokens=self.max_total_num_tokens,
             token_usage=used / self.max_total_num_tokens,
             cache_hit_rate=st.cached_prompt_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
-            gen_throughput=self._throughput, num_retracted_reqs=st.retractions)
+            gen_throughput=self._throughput, num_retracted_reqs=st.retractions,
+            prefill_steps=st.prefill_steps, decode_steps=st.decode_steps, prefill_s=st.prefill_s,
+            decode_s=st.decode_s, decode_rows=st.decode_rows)
         self._last_step = now
 
     def load(self) -> Load:

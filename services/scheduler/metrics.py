@@ -6,9 +6,10 @@ burst sees it (a periodic copy could lag the last steps of a short run).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prometheus_client import Gauge, Histogram, Info
+from prometheus_client import REGISTRY, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily
 
 from services.scheduler.engine import Load
 
@@ -36,3 +37,27 @@ class SchedulerMetrics:
                                     _LABELS, buckets=QUEUE_TIME_BUCKETS).labels(model_name)
         Info("sglang:cache_config", "KV cache configuration").info(
             {"model_name": model_name, "page_size": str(page_size), "num_pages": str(num_pages)})
+        REGISTRY.register(StepProfile(model_name, load))
+
+
+class StepProfile:
+    """Counters of the forward steps, read from the engine's snapshot at scrape time: how many
+    prefill and decode steps ran, the seconds they took (forward, sampling and results) and the
+    requests decoded per step. Rates of these give ms per step and batch size."""
+
+    def __init__(self, model_name: str, load: Callable[[], Load]) -> None:
+        self.model_name = model_name
+        self.load = load
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        ld = self.load()
+        steps = CounterMetricFamily("ringserve:forward_steps", "Forward steps by mode", labels=["model_name", "mode"])
+        secs = CounterMetricFamily("ringserve:forward_seconds", "Seconds in forward steps (forward, sampling, "
+                                   "results) by mode", labels=["model_name", "mode"])
+        for mode, n, t in (("prefill", ld.prefill_steps, ld.prefill_s), ("decode", ld.decode_steps, ld.decode_s)):
+            steps.add_metric([self.model_name, mode], n)
+            secs.add_metric([self.model_name, mode], t)
+        rows = CounterMetricFamily("ringserve:decode_rows", "Requests decoded, summed over decode steps",
+                                   labels=["model_name"])
+        rows.add_metric([self.model_name], ld.decode_rows)
+        yield from (steps, secs, rows)

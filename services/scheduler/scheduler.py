@@ -44,6 +44,10 @@ class SchedulerStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     finished: int = 0
+    # The step profile: seconds in forward + sampling + results, and requests per decode step.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_rows: int = 0
 
 
 @dataclass
@@ -90,7 +94,13 @@ class Scheduler:
             t0 = time.monotonic()
             logits = self.runner.forward(batch.forward)  # [B, V]
             next_ids = self.sample(batch, logits)
-            self.process_results(batch, next_ids, time.monotonic() - t0)
+            elapsed = time.monotonic() - t0
+            self.process_results(batch, next_ids, elapsed)
+            if batch.is_prefill:
+                self.stats.prefill_s += elapsed
+            else:
+                self.stats.decode_s += elapsed
+                self.stats.decode_rows += len(batch.reqs)
         out, self._emit = self._emit, []
         return out
 

@@ -42,3 +42,23 @@ def test_every_workload_is_consistent_and_selectable() -> None:
             assert "--seed" in w.bench_serving_args()
         assert [w.name for w in select(wls, ["D"])] == [w.name for w in wls if w.family == "D"]
         assert all(not math.isinf(w.request_rate) for w in select(wls, ["D"]))
+
+
+def test_repeats_and_targets_on_one_server_draw_distinct_prompts() -> None:
+    from pathlib import Path
+
+    from bench.stats import RequestRecord
+    from bench.targets import _measure
+
+    seeds: list[int] = []
+
+    def fake_run(w):
+        seeds.append(w.seed)
+        return [RequestRecord(ok=True, prompt_len=1, output_len=1, ttft=0.1, e2e=0.1)], 1.0
+
+    emitted = []
+    for target in ("gateway", "native"):
+        for w in workloads(False):
+            _measure(target, Path("m"), w, fake_run, emitted.append, repeats=3)
+    assert len(seeds) == len(set(seeds))  # no run finds another run's prompts in the prefix cache
+    assert all(r.status == "ok" for r in emitted)
