@@ -61,7 +61,8 @@ OVERHEAD_COLUMNS = ["model", "workload", "out tok/s gateway / gRPC", "ITL p50 ad
 def overhead(results: list[RunResult]) -> str:
     """The gateway's cost on the same requests: `native` (HTTP /generate, token-id prompts) against
     `grpc` (the tokenizer's Generate, token-id prompts), per model and workload where native sent
-    token ids (on text prompts the two do different work). Empty without such pairs."""
+    token ids (on text prompts the two do different work). Empty without such pairs. At a sweep
+    point throughput is the offered load, not the server's: no ratio there."""
     by = {(r.target, r.model, r.workload): r.summary for r in results
           if r.summary and (r.target != "native" or r.extra.get("token_id_prompts"))}
     lines = []
@@ -69,7 +70,8 @@ def overhead(results: list[RunResult]) -> str:
         if r.target != "grpc" or not r.summary or ("native", r.model, r.workload) not in by:
             continue
         g, h = r.summary, by[("native", r.model, r.workload)]
-        lines.append([r.model, r.workload, _ratio(h["output_throughput"], g["output_throughput"]),
+        ratio = _ratio(h["output_throughput"], g["output_throughput"]) if math.isinf(r.request_rate) else "-"
+        lines.append([r.model, r.workload, ratio,
                       f"{h['itl_ms']['p50'] - g['itl_ms']['p50']:+.2f}",
                       f"{h['ttft_ms']['p50'] - g['ttft_ms']['p50']:+.1f}"])
     return _table(OVERHEAD_COLUMNS, lines)
