@@ -94,13 +94,7 @@ class Scheduler:
             t0 = time.monotonic()
             logits = self.runner.forward(batch.forward)  # [B, V]
             next_ids = self.sample(batch, logits)
-            elapsed = time.monotonic() - t0
-            self.process_results(batch, next_ids, elapsed)
-            if batch.is_prefill:
-                self.stats.prefill_s += elapsed
-            else:
-                self.stats.decode_s += elapsed
-                self.stats.decode_rows += len(batch.reqs)
+            self.process_results(batch, next_ids, time.monotonic() - t0)
         out, self._emit = self._emit, []
         return out
 
@@ -210,10 +204,13 @@ class Scheduler:
                 req.timings.prefill_s += elapsed
                 self.kv.cache_prefix(req)
             still_running = self.running          # prefilled requests join the running batch
+            self.stats.prefill_s += elapsed
         else:
             for req in batch.reqs:
                 req.kv_len += 1
             still_running = []
+            self.stats.decode_s += elapsed
+            self.stats.decode_rows += len(batch.reqs)
         emit = self._emit
         for row, token in zip(batch.sample_rows, next_ids):
             req = batch.reqs[row]
