@@ -19,7 +19,7 @@ from bench.stats import RequestRecord, StreamTimer
 from bench.workloads import Workload, make_prompts
 
 
-async def _run(w: Workload, target: str, prompts: list[list[int]]) -> tuple[list[RequestRecord], float]:
+async def _run(w: Workload, target: str, prompts: list[list[int]], warmup: bool) -> tuple[list[RequestRecord], float]:
     from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
@@ -46,9 +46,9 @@ async def _run(w: Workload, target: str, prompts: list[list[int]]) -> tuple[list
             rec.timings = timings
             return rec
 
-        return await drive(w, send)
+        return await drive(w, send, warmup)
 
 
-def run(w: Workload, target: str, model_dir: Path) -> tuple[list[RequestRecord], float]:
+def run(w: Workload, target: str, model_dir: Path, warmup: bool = True) -> tuple[list[RequestRecord], float]:
     size, special = vocab(model_dir)
-    return asyncio.run(_run(w, target, make_prompts(w, size, special)))
+    return asyncio.run(_run(w, target, make_prompts(w, size, special), warmup))

@@ -1,7 +1,8 @@
 """Send a workload's requests on its schedule (arrival times, concurrency cap) and time them.
 
 `send(i)` is an async callable that performs request i and returns its RequestRecord; this module
-only decides when each one starts, like bench_serving's request loop (one warm-up request first).
+only decides when each one starts, like bench_serving's request loop (one warm-up request first,
+unless the caller says the server is warm already).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from bench.stats import RequestRecord
 from bench.workloads import Workload, arrival_times
 
 
-async def drive(w: Workload, send: Callable[[int], Awaitable[RequestRecord]]) -> tuple[list[RequestRecord], float]:
+async def drive(w: Workload, send: Callable[[int], Awaitable[RequestRecord]],
+                warmup: bool = True) -> tuple[list[RequestRecord], float]:
     """Returns (records in request order, duration from the first send to the last finish)."""
-    warm = await send(0)
-    if not warm.ok:
-        raise RuntimeError(f"warm-up request failed: {warm.error}")
+    if warmup:
+        warm = await send(0)
+        if not warm.ok:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
     sem = asyncio.Semaphore(w.max_concurrency) if w.max_concurrency else None
     start = time.perf_counter()
 

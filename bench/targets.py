@@ -64,12 +64,17 @@ def _result(target: str, model: Path, w: Workload, status: str, note: str = "", 
     return RunResult(target, model.name, w.name, w.family, w.request_rate, status, note, **kw)
 
 
-def _measure(target: str, model: Path, w: Workload, fn: Callable[[Workload], tuple[list[RequestRecord], float]],
+def _measure(target: str, model: Path, w: Workload,
+             fn: Callable[[Workload, bool], tuple[list[RequestRecord], float]],
              emit: Emit, repeats: int = 1, profile: Callable[[], dict[str, float]] | None = None,
              **extra: object) -> None:
     """Run `repeats` times, each with fresh prompts (another seed: no prefix-cache hits from the run
     before); report the run with the median output throughput (all of them in extra). Points of a
-    request-rate sweep run once: they are long, and they are read as a curve."""
+    request-rate sweep run once: they are long, and they are read as a curve.
+
+    Only the first run sends a warm-up request (`fn(workload, warmup)`); the step profile covers the
+    runs after it, so a lone warm-up request's steps do not dilute it (with one run it includes them).
+    """
     if not math.isinf(w.request_rate):
         repeats = 1
     t0 = time.monotonic()
@@ -78,10 +83,13 @@ def _measure(target: str, model: Path, w: Workload, fn: Callable[[Workload], tup
     try:
         before = profile() if profile else None
         for rep in range(repeats):
-            recs, dur = fn(replace(w, seed=w.seed + REPEAT_SEED_STEP * rep + SEED_OFFSETS.get(target, 0)))
+            recs, dur = fn(replace(w, seed=w.seed + REPEAT_SEED_STEP * rep + SEED_OFFSETS.get(target, 0)), rep == 0)
             runs.append(summarize(recs, dur))
-        if profile and before is not None:  # over all the repeats
+            if profile and rep == 0 and repeats > 1:
+                before = profile()
+        if profile and before is not None:
             extra["step_profile"] = step_profile.summary(step_profile.delta(before, profile()))
+            extra["step_profile_runs"] = max(1, repeats - 1)
     except Exception as e:  # one run's failure is a result, not the end of the benchmark
         emit(_result(target, model, w, "failed", f"{type(e).__name__}: {e}"[-1500:], wall_s=time.monotonic() - t0))
         return
@@ -114,15 +122,15 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
     try:
         for w in wls:
             if "gateway" in targets:
-                _measure("gateway", model, w, lambda wr: bench_serving.run(wr, rs.gateway_url, model, model.name,
-                                                                         out / "raw")[:2], emit, repeats, profile)
+                _measure("gateway", model, w, lambda wr, warm: bench_serving.run(
+                    wr, rs.gateway_url, model, model.name, out / "raw", warmup=warm)[:2], emit, repeats, profile)
             if "native" in targets:
-                _measure("native", model, w, lambda wr: bench_serving.run(wr, rs.gateway_url, model, model.name,
-                                                                        out / "raw", backend="sglang")[:2],
-                         emit, repeats, profile, token_id_prompts=w.dataset == "random-ids")
+                _measure("native", model, w, lambda wr, warm: bench_serving.run(
+                    wr, rs.gateway_url, model, model.name, out / "raw", backend="sglang", warmup=warm)[:2],
+                    emit, repeats, profile, token_id_prompts=w.dataset == "random-ids")
             if "grpc" in targets:
-                _measure("grpc", model, w, lambda wr: grpc_client.run(wr, rs.grpc_target, model), emit, repeats,
-                         profile)
+                _measure("grpc", model, w, lambda wr, warm: grpc_client.run(wr, rs.grpc_target, model, warm), emit,
+                         repeats, profile)
     finally:
         rs.server.stop()
 
@@ -138,7 +146,8 @@ def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_int
         return
     try:
         for w in wls:
-            _measure("vllm", model, w, lambda wr: bench_serving.run(wr, base, model, model.name, out / "raw")[:2],
+            _measure("vllm", model, w, lambda wr, warm: bench_serving.run(wr, base, model, model.name, out / "raw",
+                                                                    warmup=warm)[:2],
                      emit, repeats)
     finally:
         srv.stop()

@@ -2,9 +2,10 @@
 
 Generations go over a few long-lived GenerateStream calls (gateway.multiplex), taken in turn, so
 that a busy gateway sends and receives one message per step instead of one per token per request;
-with `streams=0` each request is its own Generate call. Every call fails fast (no wait_for_ready): while the tokenizer is away the client gets a 503 at
-once instead of a request that hangs. A generation stream that is closed early (the HTTP client
-went away) cancels its gRPC call, which makes the tokenizer abort the request at the scheduler.
+with `streams=0` each request is its own Generate call. Every call fails fast (no wait_for_ready):
+while the tokenizer is away the client gets a 503 at once instead of a request that hangs. A
+generation closed early (the HTTP client went away) is cancelled, which makes the tokenizer abort
+the request at the scheduler.
 """
 
 from __future__ import annotations

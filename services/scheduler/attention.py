@@ -24,6 +24,7 @@ from services.scheduler.cpu_kernels import NativeDecodeAttention
 from services.scheduler.decode_cache import DecodeRows, DenseDecodeCache
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.mixed import split
 
 
 @dataclass
@@ -38,6 +39,9 @@ class SDPAMetadata:
     batch_size: int = 0
     q_len: int = 1                           # Lq: longest new span
     dense_rows: DecodeRows | None = None     # DECODE on CPU: the batch's rows in the dense decode cache
+    # A mixed step (mixed.py): the prefill part's and the decode part's metadata, and where the
+    # decode tokens start in [T].
+    parts: tuple[SDPAMetadata, SDPAMetadata, int] | None = None
 
 
 class TorchSDPABackend:
@@ -62,28 +66,35 @@ class TorchSDPABackend:
     # ---- per forward pass ----
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.num_decode:
+            extend, decode, t = split(batch)
+            ext_md = self._metadata(extend)  # first: it drops the prefill requests' dense rows
+            self.metadata = SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
+                                         mask=None, batch_size=batch.batch_size,
+                                         parts=(ext_md, self._metadata(decode), t))
+            return
+        self.metadata = self._metadata(batch)
+
+    def _metadata(self, batch: ForwardBatch) -> SDPAMetadata:
         bs = batch.batch_size
         kv_len = max(batch.seq_lens_cpu)
         if batch.mode == ForwardMode.DECODE:
             rows = (self.dense.prepare(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)
                     if self.dense is not None else None)
             if rows is not None:
-                self.metadata = SDPAMetadata(
+                return SDPAMetadata(
                     is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None,
                     mask=decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype), batch_size=bs,
                     dense_rows=rows)
-                return
-            self.metadata = SDPAMetadata(
+            return SDPAMetadata(
                 is_decode=True, out_cache_loc=batch.out_cache_loc,
                 kv_index=self.req_to_token[batch.req_pool_indices, :kv_len],
                 mask=decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype), batch_size=bs)
-            return
         if self.dense is not None:
             self.dense.invalidate(batch.req_pool_indices.tolist())
         if bs == 1 and batch.prefix_lens[0] == 0:
-            self.metadata = SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
-                                         mask=None, batch_size=1, q_len=batch.extend_lens[0])
-            return
+            return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
+                                mask=None, batch_size=1, q_len=batch.extend_lens[0])
         q_len = max(batch.extend_lens)
         # Token t of request b sits at row b * Lq + i of the padded queries (built on CPU: lists are there).
         pad = [b * q_len + i for b, n in enumerate(batch.extend_lens) for i in range(n)]
@@ -94,7 +105,7 @@ class TorchSDPABackend:
         # Query i of request b sees keys up to its own position (prefix + i) and never past seq_len, so
         # padded queries (i >= extend_len) still see >= 1 key and SDPA gives no NaN rows.
         mask = (j <= prefix[:, None, None] + i) & (j < seq[:, None, None])  # [B, Lq, Lkv]
-        self.metadata = SDPAMetadata(
+        return SDPAMetadata(
             is_decode=False, out_cache_loc=batch.out_cache_loc,
             kv_index=self.req_to_token[batch.req_pool_indices, :kv_len],
             mask=additive(mask[:, None].to(self.device, non_blocking=True), self.kv_pool.dtype),
@@ -107,6 +118,14 @@ class TorchSDPABackend:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         md = self.metadata
         self.kv_pool.set_kv_buffer(layer_id, md.out_cache_loc, k, v)
+        if md.parts is not None:
+            ext_md, dec_md, t = md.parts
+            return torch.cat([self._attend(q[:t], k[:t], v[:t], layer_id, ext_md),
+                              self._attend(q[t:], k[t:], v[t:], layer_id, dec_md)])
+        return self._attend(q, k, v, layer_id, md)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                md: SDPAMetadata) -> torch.Tensor:
         if md.dense_rows is not None:
             return self._decode_dense(q, k, v, layer_id, md)
         if md.is_decode:

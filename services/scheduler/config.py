@@ -26,6 +26,8 @@ class EngineConfig:
     max_running_requests: int = field(default=256, metadata=_h("most requests in the running batch"))
     max_prefill_tokens: int = field(default=16384, metadata=_h("most prompt tokens in one prefill batch"))
     chunked_prefill_size: int = field(default=4096, metadata=_h("prefill chunk size; 0 disables chunking"))
+    enable_mixed_chunk: bool = field(default=False, metadata=_h(
+        "run the running requests' decode step inside each prefill step instead of stalling them"))
     schedule_policy: str = field(default="fcfs", metadata=_h("fcfs or lpm (longest prefix match first)"))
     max_queued_requests: int = field(default=4096, metadata=_h("most waiting requests before intake refuses"))
     context_length: int | None = field(default=None, metadata=_h("override the model's context length"))

@@ -75,7 +75,7 @@ class Engine:
             self.runner, self.kv, finisher, schedule_policy=cfg.schedule_policy,
             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
             chunked_prefill_size=cfg.chunked_prefill_size, stream_interval=cfg.stream_interval,
-            grammar=self.grammar)
+            grammar=self.grammar, mixed_chunk=cfg.enable_mixed_chunk)
         self._lock = threading.Lock()          # serializes step / flush / resync
         self._intake_lock = threading.Condition()
         # Intake events in arrival order: ("req", Req) | ("abort", rid) | ("owner", owner).

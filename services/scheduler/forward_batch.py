@@ -29,6 +29,9 @@ class ForwardBatch:
     extend_lens: list[int]         # [B] on CPU: new tokens per request (all 1 in DECODE)
     prefix_lens: list[int]         # [B] on CPU: tokens already in the KV pool before this pass
     seq_lens_cpu: list[int]        # [B] on CPU: same as seq_lens
+    # EXTEND only: the last num_decode requests are running requests decoding one token each (a
+    # mixed step); attention reads their KV as a DECODE batch would.
+    num_decode: int = 0
 
     @property
     def batch_size(self) -> int:

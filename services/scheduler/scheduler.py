@@ -20,6 +20,7 @@ from services.scheduler.finish import FinishChecker
 from services.scheduler.forward_batch import ForwardBatch
 from services.scheduler.grammar_glue import GrammarGlue
 from services.scheduler.kv_manager import KVManager
+from services.scheduler.mixed import mix
 from services.scheduler.outputs import ReqOutput, make_output
 from services.scheduler.prefill import build_extend_batch
 from services.scheduler.req import FinishInfo, Req
@@ -43,6 +44,7 @@ class SchedulerStats:
     retractions: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0          # prefill steps that also decoded the running batch
     finished: int = 0
     # The step profile: seconds in forward + sampling + results, and requests per decode step.
     prefill_s: float = 0.0
@@ -56,12 +58,13 @@ class Batch:
     forward: ForwardBatch
     sample_rows: list[int]     # rows whose logits yield a token (not a mid-prompt chunk)
     is_prefill: bool
+    num_decode: int = 0        # a mixed step: the last num_decode reqs are the running batch, decoding
 
 
 class Scheduler:
     def __init__(self, runner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
                  max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int,
-                 stream_interval: int = 1, grammar: GrammarGlue | None = None) -> None:
+                 stream_interval: int = 1, grammar: GrammarGlue | None = None, mixed_chunk: bool = False) -> None:
         self.runner = runner
         self.kv = kv
         self.finisher = finisher
@@ -70,6 +73,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
         self.stream_interval = stream_interval
+        self.mixed_chunk = mixed_chunk
         self.device = runner.device
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -140,7 +144,19 @@ class Scheduler:
         rows = [i for i, (r, n) in enumerate(zip(adder.reqs, adder.extend_lens)) if r.kv_len + n == len(r.fill_ids)]
         self.stats.prefill_tokens += sum(adder.extend_lens)
         self.stats.prefill_steps += 1
-        return Batch(adder.reqs, fb, rows, is_prefill=True)
+        batch = Batch(adder.reqs, fb, rows, is_prefill=True)
+        return self._with_running(batch) if self.mixed_chunk and self.running else batch
+
+    def _with_running(self, batch: Batch) -> Batch:
+        """The running requests decode in the prefill's forward pass (mixed.py), when the pool has room."""
+        slots = self.kv.alloc(len(self.running))
+        if slots is None:
+            return batch  # the next decode step retracts as usual
+        dec = build_decode_batch(self.running, slots, self.kv.req_pool.req_to_token, self.device)
+        self.stats.mixed_steps += 1
+        n = len(batch.reqs)
+        return Batch(batch.reqs + self.running, mix(batch.forward, dec),
+                     batch.sample_rows + list(range(n, n + len(self.running))), True, len(self.running))
 
     def schedule_decode(self) -> Batch | None:
         if not self.running:
@@ -199,11 +215,15 @@ class Scheduler:
     def process_results(self, batch: Batch, next_ids: list[int], elapsed: float) -> None:
         now = time.monotonic()
         if batch.is_prefill:
-            for req, n in zip(batch.reqs, batch.forward.extend_lens):
+            prefilled = len(batch.reqs) - batch.num_decode
+            for req, n in zip(batch.reqs[:prefilled], batch.forward.extend_lens):
                 req.kv_len += n
                 req.timings.prefill_s += elapsed
                 self.kv.cache_prefix(req)
-            still_running = self.running          # prefilled requests join the running batch
+            for req in batch.reqs[prefilled:]:
+                req.kv_len += 1
+            # Prefilled requests join the running batch; in a mixed step that batch ran too.
+            still_running = [] if batch.num_decode else self.running
             self.stats.prefill_s += elapsed
         else:
             for req in batch.reqs:

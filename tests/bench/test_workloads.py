@@ -51,9 +51,11 @@ def test_repeats_and_targets_on_one_server_draw_distinct_prompts() -> None:
     from bench.targets import _measure
 
     seeds: list[int] = []
+    warmups: list[bool] = []
 
-    def fake_run(w):
+    def fake_run(w, warm):
         seeds.append(w.seed)
+        warmups.append(warm)
         return [RequestRecord(ok=True, prompt_len=1, output_len=1, ttft=0.1, e2e=0.1)], 1.0
 
     emitted = []
@@ -62,3 +64,4 @@ def test_repeats_and_targets_on_one_server_draw_distinct_prompts() -> None:
             _measure(target, Path("m"), w, fake_run, emitted.append, repeats=3)
     assert len(seeds) == len(set(seeds))  # no run finds another run's prompts in the prefix cache
     assert all(r.status == "ok" for r in emitted)
+    assert warmups[:3] == [True, False, False]  # one warm-up request per server and workload

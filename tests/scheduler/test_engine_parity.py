@@ -98,9 +98,20 @@ def test_greedy_parity_chunked_prefill(model_dir: str, prompts, reference) -> No
     assert engine.scheduler.stats.prefill_steps > len(prompts) // 2  # prompts really went in chunks
 
 
-def test_greedy_parity_with_retraction(model_dir: str, prompts, reference) -> None:
+@pytest.mark.parametrize("plain_torch", [False, True], ids=["cpu-kernels", "plain-torch"])
+def test_greedy_parity_mixed_chunk(model_dir: str, prompts, reference, plain_torch: bool) -> None:
+    # Small prefill steps: the prompts go in over many steps, and the running requests decode inside them.
+    got, engine = run(model_dir, prompts, max_total_tokens=8192, max_running_requests=64, enable_mixed_chunk=True,
+                      chunked_prefill_size=16, max_prefill_tokens=48, disable_cpu_kernels=plain_torch)
+    assert_same(got, reference)
+    assert engine.scheduler.stats.mixed_steps > 10
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
+def test_greedy_parity_with_retraction(model_dir: str, prompts, reference, mixed: bool) -> None:
     longest = max(len(p) for p in prompts) + MAX_NEW
-    got, engine = run(model_dir, prompts, max_total_tokens=longest + 256, max_running_requests=64)
+    got, engine = run(model_dir, prompts, max_total_tokens=longest + 256, max_running_requests=64,
+                      enable_mixed_chunk=mixed)
     assert_same(got, reference)
     assert engine.scheduler.stats.retractions > 0
     # Everything released: the pool holds only what the radix cache keeps.
