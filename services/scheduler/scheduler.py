@@ -1,10 +1,11 @@
 """The scheduling loop: waiting queue -> (chunked) prefill -> running batch -> decode, one step at a time.
 
-`step()` is the whole loop body: schedule a prefill within the budgets, else decode every running
-request (retracting some if the KV pool is short); run the forward; sample; append tokens, decide
-finishes, release KV; return what to emit. Constrained requests (json_schema / regex / ebnf) join
-`waiting` only once their grammar compiled (grammar_glue.py); their logits rows are masked before
-sampling. Not thread-safe: the Engine serializes calls.
+`step()` is the whole loop body: schedule a prefill within the budgets (the running requests decode
+in it with mixed_chunk, mixed.py), else decode every running request (retracting some if the KV pool
+is short); run the forward; sample; append tokens, decide finishes, release KV; return what to emit.
+Constrained requests (json_schema / regex / ebnf) join `waiting` only once their grammar compiled
+(grammar_glue.py); their logits rows are masked before sampling. Not thread-safe: the Engine
+serializes calls.
 """
 
 from __future__ import annotations
@@ -28,28 +29,10 @@ from services.scheduler.retract import retract_for_decode
 from services.scheduler.sampling import SamplingBatchInfo, make_generator, sample
 from services.scheduler.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
                                                 NEW_TOKEN_RATIO_DECAY, PrefillAdder, order_waiting)
+from services.scheduler.stats import SchedulerStats
 
 RECENT_FINISHED_S = 60.0
 RECENT_FINISHED_MAX = 4096
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since start (the metrics and tests read them)."""
-
-    prefill_tokens: int = 0       # tokens computed by prefill forwards (cached prefixes excluded)
-    prompt_tokens: int = 0        # prompt tokens of requests at their first prefill
-    cached_prompt_tokens: int = 0 # of which served from the radix cache
-    generated_tokens: int = 0
-    retractions: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0          # prefill steps that also decoded the running batch
-    finished: int = 0
-    # The step profile: seconds in forward + sampling + results, and requests per decode step.
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_rows: int = 0
 
 
 @dataclass
@@ -154,9 +137,8 @@ class Scheduler:
             return batch  # the next decode step retracts as usual
         dec = build_decode_batch(self.running, slots, self.kv.req_pool.req_to_token, self.device)
         self.stats.mixed_steps += 1
-        n = len(batch.reqs)
-        return Batch(batch.reqs + self.running, mix(batch.forward, dec),
-                     batch.sample_rows + list(range(n, n + len(self.running))), True, len(self.running))
+        rows = batch.sample_rows + list(range(len(batch.reqs), len(batch.reqs) + len(self.running)))
+        return Batch(batch.reqs + self.running, mix(batch.forward, dec), rows, True, len(self.running))
 
     def schedule_decode(self) -> Batch | None:
         if not self.running:
@@ -220,10 +202,9 @@ class Scheduler:
                 req.kv_len += n
                 req.timings.prefill_s += elapsed
                 self.kv.cache_prefix(req)
-            for req in batch.reqs[prefilled:]:
+            for req in batch.reqs[prefilled:]:  # a mixed step's decode rows
                 req.kv_len += 1
-            # Prefilled requests join the running batch; in a mixed step that batch ran too.
-            still_running = [] if batch.num_decode else self.running
+            still_running = [] if batch.num_decode else self.running  # mixed: all re-added below
             self.stats.prefill_s += elapsed
         else:
             for req in batch.reqs:
