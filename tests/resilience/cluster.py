@@ -46,8 +46,8 @@ class Cluster:
     model: str
     services: list[Svc] = field(default_factory=list)
 
-    def _start(self, name: str, module: str, *args: str, grpc_ready: bool = True) -> Svc:
-        port = free_port()
+    def _start(self, name: str, module: str, *args: str, grpc_ready: bool = True, port: int = 0) -> Svc:
+        port = port or free_port()
         proc = ServiceProcess(name, python_cmd(module, "--host", "127.0.0.1", "--port", str(port), *args),
                               env={"RINGSERVE_LOG_LEVEL": "INFO"})
         svc = Svc(proc.start(), port)
@@ -66,9 +66,9 @@ class Cluster:
         return self._start("scheduler", "services.scheduler", "--metrics-port", "-1", "--model", self.model,
                            "--detokenizer", detok.target, *args)
 
-    def tokenizer(self, sched: Svc, detok: Svc, *args: str, name: str = "tokenizer") -> Svc:
+    def tokenizer(self, sched: Svc, detok: Svc, *args: str, name: str = "tokenizer", port: int = 0) -> Svc:
         return self._start(name, "services.tokenizer", "--metrics-port", "-1", "--model", self.model,
-                           "--scheduler", sched.target, "--detokenizer", detok.target, *args)
+                           "--scheduler", sched.target, "--detokenizer", detok.target, *args, port=port)
 
     def gateway(self, tok: Svc, *args: str, name: str = "gateway") -> Svc:
         return self._start(name, "gateway", "--tokenizer", tok.target, *args, grpc_ready=False)

@@ -6,8 +6,10 @@ is stateless: killing one of two must not disturb the other nor leave state in t
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
+import time
 
 import grpc
 import httpx
@@ -95,3 +97,48 @@ def test_killed_gateway_leaves_the_other_serving(model_dir: str) -> None:
         assert httpx.get(f"{gw_b.url}/health", timeout=10).status_code == 200
         for svc in (detok, sched, tok, gw_b):
             assert not svc.errors(), svc.errors()
+
+
+def test_killed_tokenizer_under_the_gateway_ends_streams_then_recovers(model_dir: str) -> None:
+    """The gateway's GenerateStream breaks: every request on it ends with an error event, new ones get
+    503 at once, and the gateway serves again when a tokenizer is back on the same address."""
+    with cluster(model_dir) as c:
+        detok, sched, tok = c.ring()
+        gw = c.gateway(tok)
+        body = {"text": "tokenizer goes away", "stream": True,
+                "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+        started = threading.Barrier(5)
+        events: list[list[str]] = [[] for _ in range(4)]
+
+        def stream(i: int) -> None:
+            with httpx.stream("POST", f"{gw.url}/generate", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events[i].append(line[6:])
+                        if len(events[i]) == 1:
+                            started.wait(30)
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        tok.proc.signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a stream hung after its tokenizer died"
+        assert time.monotonic() - t0 < 20
+        for ev in events:  # each ended with an error event, then [DONE]
+            assert ev[-1] == "[DONE]" and "error" in json.loads(ev[-2]), ev[-3:]
+        r = httpx.post(f"{gw.url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
+                       timeout=10)
+        assert r.status_code == 503 and r.headers.get("retry-after")
+        eventually(lambda: scheduler_load(sched.target).num_running_reqs == 0, timeout=30, what="scheduler idle")
+        c.tokenizer(sched, detok, port=tok.port)  # back on the same address
+        eventually(lambda: httpx.get(f"{gw.url}/health", timeout=10).status_code == 200, timeout=30,
+                   what="gateway healthy again")
+        r = httpx.post(f"{gw.url}/generate", json={"text": "back", "sampling_params": {"max_new_tokens": 8}},
+                       timeout=60)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 8, r.text
+        for svc in (detok, sched, gw):
+            assert not [e for e in svc.errors() if "tokenizer" not in e], svc.errors()
