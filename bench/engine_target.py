@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
+from bench import step_profile
 from bench.model_info import vocab
 from bench.stats import RequestRecord, StreamTimer
 from bench.workloads import Workload, arrival_times, make_prompts, select, workloads
@@ -59,10 +60,8 @@ def run_one(engine, w: Workload, prompts: list[list[int]]) -> tuple[list[Request
 
 
 def _profile(engine) -> dict[str, float]:
-    """The step counters the served targets scrape from /metrics (bench.step_profile.FIELDS)."""
-    st = engine.scheduler.stats
-    return {"prefill_steps": st.prefill_steps, "decode_steps": st.decode_steps, "prefill_s": st.prefill_s,
-            "decode_s": st.decode_s, "decode_rows": st.decode_rows}
+    """The step counters the served targets scrape from /metrics: SchedulerStats under the same names."""
+    return {k: getattr(engine.scheduler.stats, k) for k in step_profile.FIELDS}
 
 
 def main(argv: list[str] | None = None) -> int:

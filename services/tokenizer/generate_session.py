@@ -43,6 +43,18 @@ class GenerateSession:
         self._space.set()
         self._watcher: asyncio.Task[None] | None = None
 
+    async def serve(self, requests: AsyncIterator[pb.GenerateStreamRequest]
+                    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """The whole call: read the client's instructions alongside, yield the batches, and stop
+        every generation when the call ends (finished, cancelled or broken)."""
+        feed = asyncio.ensure_future(self.feed(requests))
+        try:
+            async for batch in self.batches():
+                yield batch
+        finally:
+            feed.cancel()
+            await self.close()
+
     # ---- intake ----------------------------------------------------------------------------
 
     async def feed(self, requests: AsyncIterator[pb.GenerateStreamRequest]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 import grpc
 
@@ -97,34 +98,24 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         self.detokenizer_connected = detokenizer_connected
         self.stopping: asyncio.Event | None = None  # the server's drain signal, for GenerateStream
 
+    # aclosing everywhere below: a call cancelled (or past its deadline) while suspended at a yield
+    # closes the inner generators now, not at GC, so the manager's finally aborts the request at once.
     async def _generate(self, request: api_pb2.GenerateRequest) -> AsyncIterator[api_pb2.GenerateResponse]:
-        outputs = self.manager.generate(generate_from_pb(request))
-        try:
+        async with aclosing(self.manager.generate(generate_from_pb(request))) as outputs:
             async for out in outputs:
                 yield output_to_pb(out)
-        finally:
-            # Cancel/deadline: close the manager's generator now (not at GC) so its finally aborts.
-            await outputs.aclose()
 
     async def Generate(self, request: api_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateResponse]:
-        outputs = self._generate(request)
-        try:
+        async with aclosing(self._generate(request)) as outputs:
             async for out in outputs:
                 yield out
-        finally:
-            await outputs.aclose()
 
     async def GenerateStream(self, request_iterator: AsyncIterator[api_pb2.GenerateStreamRequest],
                              context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateStreamResponse]:
-        session = GenerateSession(self._generate, self.stopping)
-        feed = asyncio.ensure_future(session.feed(request_iterator))
-        try:
-            async for batch in session.batches():
+        async with aclosing(GenerateSession(self._generate, self.stopping).serve(request_iterator)) as batches:
+            async for batch in batches:
                 yield batch
-        finally:
-            feed.cancel()
-            await session.close()
 
     async def Abort(self, request: api_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> api_pb2.AbortResponse:
         return api_pb2.AbortResponse(found=self.manager.abort(request.rid))

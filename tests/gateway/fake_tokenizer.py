@@ -13,6 +13,7 @@ anything else: max_new_tokens tokens (default 8) from WORDS, shifted by sample i
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 import threading
 from dataclasses import dataclass, field
 
@@ -117,14 +118,10 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
 
     async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
         # The tokenizer's own session over the fake's outputs, as the real servicer wires it.
-        session = GenerateSession(self._outputs)
-        feed = asyncio.ensure_future(session.feed(request_iterator))
-        try:
-            async for batch in session.batches():
+        # aclosing: a call that ends at a yield still stops its generations now, not at GC.
+        async with aclosing(GenerateSession(self._outputs).serve(request_iterator)) as batches:
+            async for batch in batches:
                 yield batch
-        finally:
-            feed.cancel()
-            await session.close()
 
     async def _outputs(self, request: pb.GenerateRequest):
         self.calls.append(request)
