@@ -35,8 +35,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
-    disable_cpu_kernels: bool = field(default=False, metadata=_h("plain torch on CPU: no C decode-attention "
-                                                                  "kernel, no oneDNN-packed linear weights"))
+    disable_cpu_kernels: bool = field(default=False, metadata=_h("plain torch on CPU: no C attention "
+                                                                  "kernels, no oneDNN-packed linear weights"))
     kernel_cache: str | None = field(default=None, metadata=_h("directory for the compiled CPU kernels "
                                                                 "(default ~/.cache/ringserve/kernels)"))
     stream_interval: int = field(default=1, metadata=_h("send a streaming request's new tokens every N tokens "

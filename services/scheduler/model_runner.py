@@ -10,7 +10,7 @@ import torch
 
 from services.scheduler import cpu_linear, model_loader
 from services.scheduler.attention import TorchSDPABackend
-from services.scheduler.cpu_kernels import load_decode_attention
+from services.scheduler.cpu_kernels import load as load_cpu_kernels
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.models import get_model_class
@@ -40,6 +40,9 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self.cpu_kernels = cpu_kernels
         self.kernel_cache = kernel_cache
+        # The C kernels (attention, rotary, SiLU gate) for float32 on CPU; None: torch everywhere.
+        self.native = (load_cpu_kernels(kernel_cache)
+                       if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels else None)
 
         path = model_loader.resolve_model_path(model_path)
         self.model_config = model_loader.load_config(path)
@@ -88,6 +91,8 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         model.load_weights(model_loader.iter_weights(path))
         model.init_rotary(self.device, self.dtype)
+        if self.native is not None:
+            model.use_native_kernels(self.native)
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels and cpu_linear.supported():
             if model.lm_head is None:  # tied: a packed copy of the embedding matrix for the logits
                 model.lm_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None)
@@ -96,12 +101,9 @@ class ModelRunner:
 
     def _make_attn_backend(self) -> TorchSDPABackend:
         # torch SDPA on CPU and CUDA alike (a flashinfer backend is not written yet; see attention.py).
-        native = None
-        if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels:
-            native = load_decode_attention(self.kernel_cache)
-        logger.info("attention backend: torch SDPA%s", ", decode on the C kernel" if native else "")
+        logger.info("attention backend: torch SDPA%s", ", decode and prefill on the C kernels" if self.native else "")
         return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
-                                self.num_heads, self.num_kv_heads, self.head_dim, native_decode=native)
+                                self.num_heads, self.num_kv_heads, self.head_dim, native=self.native)
 
     def _kv_budget(self, max_total_tokens: int | None, mem_fraction: float, max_running: int) -> int:
         if max_total_tokens is not None:

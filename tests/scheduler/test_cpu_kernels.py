@@ -1,19 +1,24 @@
-"""The C decode-attention kernel against plain torch attention, and the fallback without a compiler."""
+"""The C attention kernels (decode and prefill) against plain torch attention, and the fallback without a
+compiler."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.scheduler import cpu_kernels
+from services.scheduler.models.rotary import RotaryEmbedding
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_kernels.NativeDecodeAttention:
-    k = cpu_kernels.load_decode_attention()
+def kernel() -> cpu_kernels.NativeKernels:
+    k = cpu_kernels.load()
     if k is None:
         pytest.skip("no C compiler on this machine")
     return k
@@ -48,9 +53,78 @@ def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int
     v[:b, :, 70:] = float("nan")
     kt[1, :, :, 70:] = torch.randn(heads, dim, l_cap - 70)
     v[1, :, 70:] = torch.randn(heads, l_cap - 70, dim)
-    got = kernel(q, kt, v, lens, dim ** -0.5)
+    got = kernel.decode_attention(q, kt, v, lens, dim ** -0.5)
     want = reference(q, kt, v, lens, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def extend_reference(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, lens: list[int], prefix: list[int],
+                     scale: float) -> torch.Tensor:
+    """Per request: padded SDPA with the causal-after-prefix mask, as the torch backend does it."""
+    outs, start = [], 0
+    for b, (n, p) in enumerate(zip(lens, prefix)):
+        qb = q[start:start + n].permute(1, 2, 0, 3)  # [H, G, n, D]
+        i, j = torch.arange(n)[:, None], torch.arange(p + n)[None, :]
+        mask = torch.zeros(n, p + n).masked_fill_(j > p + i, float("-inf"))
+        out = F.scaled_dot_product_attention(qb, kt[b, :, None, :, :p + n].transpose(-1, -2),
+                                             v[b, :, None, :p + n], attn_mask=mask, scale=scale)
+        outs.append(out.permute(2, 0, 1, 3))  # [n, H, G, D]
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (1, 4, 128), (2, 5, 48)])
+def test_extend_matches_masked_sdpa_on_ragged_requests(kernel, threads: int, heads: int, group: int,
+                                                       dim: int) -> None:
+    torch.manual_seed(heads * 100 + group * 10 + dim)
+    lens, prefix = [1, 70, 5, 130, 0, 64], [0, 0, 33, 2, 7, 64]  # one request with no new tokens
+    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
+    b = len(lens)
+    kt = torch.randn(b, heads, dim, l_cap)
+    v = torch.randn(b, heads, l_cap, dim)
+    for r, (n, p) in enumerate(zip(lens, prefix)):  # past each request's keys: must never be read
+        kt[r, :, :, n + p:] = float("nan")
+        v[r, :, n + p:] = float("nan")
+    q = torch.randn(sum(lens), heads, group, dim)
+    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    got = kernel.extend_attention(q, kt, v, q_start, torch.tensor(prefix, dtype=torch.int64), dim ** -0.5)
+    want = extend_reference(q, kt, v, lens, prefix, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_refuses_keys_past_the_buffer(kernel) -> None:
+    kt, v = torch.zeros(1, 1, 32, 8), torch.zeros(1, 1, 8, 32)
+    q_start = torch.tensor([0, 4], dtype=torch.int64)
+    with pytest.raises(AssertionError):  # 5 cached + 4 new > 8 keys
+        kernel.extend_attention(torch.zeros(4, 1, 1, 32), kt, v, q_start, torch.tensor([5]), 1.0)
+    with pytest.raises(AssertionError):  # q_start does not end at T
+        kernel.extend_attention(torch.zeros(5, 1, 1, 32), kt, v, q_start, torch.tensor([0]), 1.0)
+
+
+@pytest.mark.parametrize("rows", [3, 200])  # one thread, and rows split over threads
+def test_rope_rotates_in_place_like_the_torch_path(kernel, threads: int, rows: int) -> None:
+    torch.manual_seed(rows)
+    for partial in (1.0, 0.5):  # the whole head, and the first half of it
+        cfg = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                               "partial_rotary_factor": partial})
+        rope = RotaryEmbedding(cfg, 64, 512, torch.device("cpu"), torch.float32)
+        assert rope.rot_dim == int(64 * partial)
+        qkv = torch.randn(rows, 7 * 64)  # q and k heads (5) rotate; the last two heads (v) must not
+        x = qkv[:, :5 * 64].view(rows, 5, 64)
+        positions = torch.randint(0, 512, (rows,))
+        want = rope.apply(x.clone(), rope.prepare(positions))
+        v_before = qkv[:, 5 * 64:].clone()
+        rope.native = kernel
+        assert rope.apply(x, rope.prepare(positions)) is x
+        torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(qkv[:, 5 * 64:], v_before)
+
+
+@pytest.mark.parametrize("rows", [1, 100])
+def test_silu_mul_matches_torch(kernel, threads: int, rows: int) -> None:
+    gate_up = torch.randn(rows, 2 * 96) * 4
+    want = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    torch.testing.assert_close(kernel.silu_mul(gate_up), want, rtol=1e-5, atol=1e-5)
 
 
 def test_loading_it_leaves_subnormals_alone(kernel) -> None:
@@ -63,9 +137,9 @@ def test_loading_it_leaves_subnormals_alone(kernel) -> None:
 def test_refuses_lengths_past_the_buffer(kernel) -> None:
     kt, v = torch.zeros(2, 1, 32, 8), torch.zeros(2, 1, 8, 32)
     with pytest.raises(AssertionError):
-        kernel(torch.zeros(2, 1, 1, 32), kt, v, torch.tensor([3, 9]), 1.0)
+        kernel.decode_attention(torch.zeros(2, 1, 1, 32), kt, v, torch.tensor([3, 9]), 1.0)
     with pytest.raises(AssertionError):
-        kernel(torch.zeros(2, 1, 1, 32), kt, v, torch.tensor([0, 4]), 1.0)
+        kernel.decode_attention(torch.zeros(2, 1, 1, 32), kt, v, torch.tensor([0, 4]), 1.0)
 
 
 def test_no_compiler_means_no_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

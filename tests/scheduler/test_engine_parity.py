@@ -87,7 +87,7 @@ def test_greedy_parity(model_dir: str, prompts, reference, plain_torch: bool) ->
                       disable_cpu_kernels=plain_torch)
     assert_same(got, reference)
     if plain_torch:
-        assert engine.runner.attn_backend.native_decode is None
+        assert engine.runner.attn_backend.native is None
         assert not any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
 
 

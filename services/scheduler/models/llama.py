@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler.models.rotary import RotaryEmbedding
+from services.scheduler.cpu_kernels import NativeKernels
+from services.scheduler.models.rotary import RotaryEmbedding, Rotation
 
 
 class RMSNorm(nn.Module):
@@ -43,15 +44,14 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, rot: Rotation, attn) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
-        qk = rope.apply(qk, cos_sin)  # q and k rotated in one pass: [T, Hq + Hkv, D]
+        qk = rope.apply(qk, rot)  # q and k rotated in one pass: [T, Hq + Hkv, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(attn.forward(q, k, v, self.layer_id))
 
@@ -61,11 +61,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.inter = config.intermediate_size
+        self.native: NativeKernels | None = None  # CPU float32: silu(gate) * up in one pass
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if self.native is not None:
+            return self.down_proj(self.native.silu_mul(gate_up))
         return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
 
 
@@ -77,8 +80,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, attn)
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, rot: Rotation, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, rot, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -106,14 +109,22 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(self.config, self.layers[0].self_attn.head_dim, self.max_position,
                                       device, dtype)
 
+    def use_native_kernels(self, kernels: NativeKernels) -> None:
+        """Rotary and the SiLU gate on the C kernels (float32 CPU models; the runner decides)."""
+        assert self.rotary is not None
+        self.rotary.native = kernels
+        if getattr(self.config, "hidden_act", "silu") == "silu":
+            for layer in self.layers:
+                layer.mlp.native = kernels
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
                 last_index: torch.Tensor | None) -> torch.Tensor:
         """input_ids, positions: [T] int64. last_index: [B] rows of T whose logits are wanted (None: all).
         Returns logits [B, V] float32."""
         x = self.embed_tokens(input_ids)  # [T, H]
-        cos_sin = self.rotary.cos_sin(positions)
+        rot = self.rotary.prepare(positions)
         for layer in self.layers:
-            x = layer(x, self.rotary, cos_sin, attn)
+            x = layer(x, self.rotary, rot, attn)
         if last_index is not None:
             x = x.index_select(0, last_index)  # [B, H]: norm and lm_head only where logits are used
         x = self.norm(x)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from services.scheduler.cpu_kernels import NativeKernels
+
+Rotation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
 
 def rope_parameters(config) -> dict:
     """transformers 5 exposes `config.rope_parameters`; older configs carry rope_theta/rope_scaling."""
@@ -43,14 +47,24 @@ class RotaryEmbedding:
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, rot/2]
         self.cos = (freqs.cos() * scaling).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scaling).to(device=device, dtype=dtype)
+        self.native: NativeKernels | None = None  # CPU float32: rotate in place, one pass (set by the runner)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, 1, rot/2], shared by every layer of the pass."""
+    def prepare(self, positions: torch.Tensor) -> Rotation:
+        """positions [T] int64 -> what every layer of the pass rotates with: cos, sin [T, 1, rot/2], or
+        for the native kernel the checked positions themselves (it reads the tables by position)."""
+        if self.native is not None:
+            assert positions.numel() == 0 or int(positions.max()) < self.cos.shape[0]
+            return positions.contiguous()
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
-    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [T, heads, head_dim]; rotates the first rot_dim dims of every head."""
-        cos, sin = cos_sin
+    def apply(self, x: torch.Tensor, rot: Rotation) -> torch.Tensor:
+        """x: [T, heads, head_dim]; rotates the first rot_dim dims of every head (the native kernel
+        in place)."""
+        if self.native is not None:
+            assert isinstance(rot, torch.Tensor)
+            self.native.rope(x, rot, self.cos, self.sin)
+            return x
+        cos, sin = rot
         half = self.rot_dim // 2
         x1, x2 = x[..., :half], x[..., half:self.rot_dim]
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
