@@ -29,6 +29,9 @@ def run_one(engine, w: Workload, prompts: list[list[int]]) -> tuple[list[Request
 
     params = SamplingParams(temperature=0.0, max_new_tokens=w.output_len, ignore_eos=True)
     arrivals = deque(enumerate(arrival_times(w)))
+    # A shared-prefix workload makes groups x per-group prompts whatever num_prompts says (the warm-up
+    # batch asks for fewer): send as many as there are arrivals.
+    prompts = prompts[:len(arrivals)]
     timers: dict[str, tuple[int, StreamTimer]] = {}
     records: list[RequestRecord | None] = [None] * len(prompts)
     cap = w.max_concurrency or len(prompts)
