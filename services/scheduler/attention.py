@@ -9,6 +9,9 @@ attends over `req_to_token[row, :seq_len]`:
 - EXTEND: queries padded to the longest new span ([B, Hq, Lq, D]) with a causal-after-prefix mask;
   a single request without a cached prefix skips the pool gather and uses `is_causal`.
 
+On CPU in float32 the C kernels (cpu_kernels.py) take over: DECODE over the dense decode cache, and
+EXTEND over each request's gathered keys with no padding and no mask (`q_start` / `prefix`).
+
 The metadata tensors may be static buffers owned by the CUDA graph runner (see cuda_graph.py): the
 layer code only reads `self.metadata`.
 """
