@@ -89,7 +89,7 @@ class TorchSDPABackend:
             rows = (self.dense.prepare(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)
                     if self.dense is not None else None)
             if rows is not None:  # the C kernel reads each row's own length: no mask
-                mask = None if self.native else decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype)
+                mask = None if self.native is not None else decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype)
                 return SDPAMetadata(is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None, mask=mask,
                                     batch_size=bs, dense_rows=rows)
             return SDPAMetadata(
@@ -213,8 +213,8 @@ class TorchSDPABackend:
         v = vb.index_select(0, flat).view(shape).transpose(1, 2).contiguous()     # [B, Hkv, Lkv, D]
         t = q.shape[0]
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
-        out = self.native.extend_attention(q.reshape(t, self.num_kv_heads, self.group, self.head_dim).to(kt.dtype),
-                                 kt, v, md.q_start, md.prefix, scale)  # [T, Hkv, G, D]
+        q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim).to(kt.dtype)
+        out = self.native.extend_attention(q_groups, kt, v, md.q_start, md.prefix, scale)  # [T, Hkv, G, D]
         return out.view(t, -1)  # [T, Hq * D]
 
 

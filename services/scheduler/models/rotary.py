@@ -53,7 +53,7 @@ class RotaryEmbedding:
         """positions [T] int64 -> what every layer of the pass rotates with: cos, sin [T, 1, rot/2], or
         for the native kernel the checked positions themselves (it reads the tables by position)."""
         if self.native is not None:
-            assert positions.numel() == 0 or int(positions.max()) < self.cos.shape[0]
+            assert positions.numel() == 0 or 0 <= int(positions.min()) <= int(positions.max()) < len(self.cos)
             return positions.contiguous()
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
