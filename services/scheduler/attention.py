@@ -89,7 +89,8 @@ class TorchSDPABackend:
             rows = (self.dense.prepare(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)
                     if self.dense is not None else None)
             if rows is not None:  # the C kernel reads each row's own length: no mask
-                mask = None if self.native is not None else decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype)
+                mask = (None if self.native is not None else
+                        decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype))
                 return SDPAMetadata(is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None, mask=mask,
                                     batch_size=bs, dense_rows=rows)
             return SDPAMetadata(

@@ -55,7 +55,8 @@ def build(sources: tuple[Path, ...] = SOURCES, cache: str | None = None) -> Path
     if cc is None:
         log.info("no C compiler: native CPU kernels off")
         return None
-    parts = [*(f.read_bytes() for f in sources), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_id().encode(), platform.machine().encode()]
+    parts = [*(f.read_bytes() for f in sources), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_id().encode(),
+             platform.machine().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out = cache_dir(cache) / f"ringserve-kernels-{key}.so"
     if out.exists():
@@ -117,7 +118,7 @@ class NativeKernels:
         return torch.empty(threads * g * l_cap, dtype=torch.float32), threads
 
     def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, lens: torch.Tensor,
-               scale: float) -> torch.Tensor:
+                         scale: float) -> torch.Tensor:
         """q: [B, H, G, D] float32; kt_buf: K^T [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], both
         contiguous float32 on CPU; lens: [B] int64 keys per row, in [1, Lcap]. Returns [B, H, G, D]."""
         b, h, g, d = q.shape
@@ -134,7 +135,7 @@ class NativeKernels:
         return out
 
     def extend_attention(self, q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
-               prefix: torch.Tensor, scale: float) -> torch.Tensor:
+                         prefix: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of new tokens after a cached prefix. q: [T, H, G, D] float32, request b's
         tokens at q_start[b]:q_start[b + 1] ([B + 1] int64, q_start[B] = T); kt: K^T [B, H, D, Lcap] and
         v: [B, H, Lcap, D], each request's keys from position 0; prefix: [B] int64 cached keys before

@@ -26,7 +26,7 @@ async def test_process_serves_and_drains(model_dir: str, tiny_tok: TextTokenizer
         await asyncio.to_thread(proc.wait_serving, f"127.0.0.1:{port}", 30)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = detokenizer_pb2_grpc.DetokenizerServiceStub(channel)
-            push = PushStream(stub, "sched-e2e")
+            push = await PushStream.connect(stub, "sched-e2e")
             sub = stub.Subscribe(pb.SubscribeRequest(owner="tok-e2e"))
             assert await push.next_resync() == "tok-e2e"
             await push.send(delta(tiny_tok, "r1", "tok-e2e", "over the wire 😀"))

@@ -29,14 +29,20 @@ class PushStream:
         while (req := await self.out.get()) is not None:
             yield req
 
+    @classmethod
+    async def connect(cls, stub: detokenizer_pb2_grpc.DetokenizerServiceStub, scheduler_id: str) -> PushStream:
+        """Open the stream and wait for its handshake (an empty first message): from then on the
+        detokenizer knows this scheduler, so a new subscriber's resync request reaches it. Subscribing
+        before that races the stream's registration (the subscriber then asks no one to resync)."""
+        push = cls(stub, scheduler_id)
+        assert await asyncio.wait_for(push.call.read(), TIMEOUT) == pb.PushResponse()
+        return push
+
     async def send(self, *deltas: pb.TokenDelta, resync: bool = False) -> None:
         await self.out.put(pb.PushRequest(batch=pb.StepBatch(deltas=deltas, sent_at=1.0, resync=resync)))
 
     async def next_resync(self) -> str:
-        """The next resync request, past the empty handshake message that opens the stream."""
         resp = await asyncio.wait_for(self.call.read(), TIMEOUT)
-        if resp == pb.PushResponse():
-            resp = await asyncio.wait_for(self.call.read(), TIMEOUT)
         assert resp.HasField("resync")
         return resp.resync.owner
 
@@ -84,7 +90,7 @@ async def test_both_streams_open_with_an_empty_handshake(stub) -> None:  # type:
 
 
 async def test_two_owners_get_only_their_requests(stub, tiny_tok: TextTokenizer) -> None:  # type: ignore[no-untyped-def]
-    push = PushStream(stub, "sched-0")
+    push = await PushStream.connect(stub, "sched-0")
     sub_a = stub.Subscribe(pb.SubscribeRequest(owner="tok-a"))
     assert await push.next_resync() == "tok-a"  # the new subscriber asks the scheduler to resync
     sub_b = stub.Subscribe(pb.SubscribeRequest(owner="tok-b"))
@@ -102,7 +108,7 @@ async def test_two_owners_get_only_their_requests(stub, tiny_tok: TextTokenizer)
 
 
 async def test_second_subscriber_replaces_first(stub, tiny_tok: TextTokenizer) -> None:  # type: ignore[no-untyped-def]
-    push = PushStream(stub, "sched-0")
+    push = await PushStream.connect(stub, "sched-0")
     first = stub.Subscribe(pb.SubscribeRequest(owner="tok-a"))
     assert await push.next_resync() == "tok-a"
     second = stub.Subscribe(pb.SubscribeRequest(owner="tok-a"))
@@ -116,7 +122,7 @@ async def test_second_subscriber_replaces_first(stub, tiny_tok: TextTokenizer) -
 
 
 async def test_backlog_for_owner_without_subscriber(stub, tiny_tok: TextTokenizer) -> None:  # type: ignore[no-untyped-def]
-    push = PushStream(stub, "sched-0")
+    push = await PushStream.connect(stub, "sched-0")
     await push.send(delta(tiny_tok, "early", "tok-late", "before subscribing"))
     other = stub.Subscribe(pb.SubscribeRequest(owner="tok-x"))
     assert await push.next_resync() == "tok-x"  # the batch before it was processed
