@@ -67,7 +67,7 @@ class TorchSDPABackend:
         self.native = native  # CPU float32: the C kernels (decode over the dense cache, and prefill)
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
-                                       self.req_to_token.shape[1])
+                                       self.req_to_token.shape[1], share_prefixes=native is not None)
                       if self.device.type == "cpu" else None)
 
     # ---- per forward pass ----
@@ -178,7 +178,8 @@ class TorchSDPABackend:
         if self.native is not None:
             # One pass over each row's own keys (no padding, no mask): ~2x the matmul pair below.
             k_buf, v_buf = self.dense.buffers(layer_id)
-            out = self.native.decode_attention(q_rows.to(k_buf.dtype), k_buf, v_buf, rows.seq_lens_rows, scale)
+            out = self.native.decode_attention(q_rows.to(k_buf.dtype), k_buf, v_buf, rows.seq_lens_rows, scale,
+                                               self.dense.shared_kv(layer_id, rows))
             return out[rows.rows].reshape(bs, -1)
         k_t, v_all = self.dense.kv(layer_id, rows)  # K^T [B, Hkv, D, L], V [B, Hkv, L, D], row order
         # Plain matmuls, not SDPA: with one query per head and strided K/V rows, CPU SDPA's flash

@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,13 +86,24 @@ def build(sources: tuple[Path, ...] = SOURCES, cache: str | None = None) -> Path
     return out
 
 
+@dataclass
+class SharedKV:
+    """Shared prompt prefixes for decode attention: kt [E, H, D, Pcap] (K^T) and v [E, H, Pcap, D] hold
+    E prefixes; row b reads its first plen[b] keys from prefix entry[b] ([B] int64 each; plen 0: none)."""
+    kt: torch.Tensor
+    v: torch.Tensor
+    entry: torch.Tensor
+    plen: torch.Tensor
+
+
 class NativeKernels:
     """The library's entry points, for float32 tensors on CPU."""
 
     def __init__(self, lib_path: Path) -> None:
         lib = ctypes.CDLL(str(lib_path))
         self._decode = lib.decode_attention_f32
-        self._decode.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+        self._decode.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int,
+                                 _P, _P, _P, _P, _I]
         self._decode.restype = ctypes.c_int
         self._extend = lib.extend_attention_f32
         self._extend.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
@@ -113,24 +125,37 @@ class NativeKernels:
         return l_cap
 
     @staticmethod
-    def _scratch(g: int, l_cap: int) -> tuple[torch.Tensor, int]:
+    def _scratch(g: int, length: int) -> tuple[torch.Tensor, int]:
         threads = torch.get_num_threads()  # the forward's own threads (set_num_threads / --num-threads)
-        return torch.empty(threads * g * l_cap, dtype=torch.float32), threads
+        return torch.empty(threads * g * length, dtype=torch.float32), threads
 
     def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, lens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, shared: SharedKV | None = None) -> torch.Tensor:
         """q: [B, H, G, D] float32; kt_buf: K^T [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], both
-        contiguous float32 on CPU; lens: [B] int64 keys per row, in [1, Lcap]. Returns [B, H, G, D]."""
+        contiguous float32 on CPU; lens: [B] int64 keys per row. Without `shared` a row's keys are its
+        own buffer's [0, lens[b]); with it, the first shared.plen[b] come from prefix entry
+        shared.entry[b] and the rest from the row's own buffer from index 0. Returns [B, H, G, D]."""
         b, h, g, d = q.shape
         l_cap = self._check_kv(kt_buf, v_buf, h, d)
         assert q.dtype == torch.float32 and kt_buf.shape[0] >= b
         assert lens.shape == (b,) and lens.dtype == torch.int64
-        assert 1 <= int(lens.min()) and int(lens.max()) <= l_cap
+        ptrs, p_cap, own = [None] * 4, 0, lens
+        if shared is not None:
+            p_cap = self._check_kv(shared.kt, shared.v, h, d)
+            assert shared.entry.shape == shared.plen.shape == (b,)
+            assert shared.entry.dtype == shared.plen.dtype == torch.int64
+            has = shared.plen > 0
+            assert int(shared.plen.min()) >= 0 and int(shared.plen.max()) <= p_cap
+            assert bool(((shared.entry >= 0) & (shared.entry < shared.kt.shape[0]))[has].all())
+            own = lens - shared.plen
+            entry, plen = shared.entry.contiguous(), shared.plen.contiguous()
+            ptrs = [shared.kt.data_ptr(), shared.v.data_ptr(), entry.data_ptr(), plen.data_ptr()]
+        assert 1 <= int(own.min()) and int(own.max()) <= l_cap
         q, lens = q.contiguous(), lens.contiguous()
         out = torch.empty_like(q)
-        scratch, threads = self._scratch(g, l_cap)
+        scratch, threads = self._scratch(g, p_cap + l_cap)
         if self._decode(q.data_ptr(), kt_buf.data_ptr(), v_buf.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                        scratch.data_ptr(), b, h, g, d, l_cap, scale, threads) != 0:
+                        scratch.data_ptr(), b, h, g, d, l_cap, scale, threads, *ptrs, p_cap) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
         return out
 

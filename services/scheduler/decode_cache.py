@@ -15,30 +15,39 @@ slowly, so this cache keeps each running request's K/V in a dense row that persi
 
 The pool stays the source of truth; this is a cache that can be dropped at any time (`reset`), and
 it declines (returns None) when its buffers would exceed `max_bytes`.
+
+With `share_prefixes` (the C decode kernel reads it), a request joining the batch whose first slots
+are another running request's (a prefix shared through the radix cache) gets that prefix from one
+shared copy (shared_prefix.py); its row holds only the positions after it, from index 0.
 """
 
 from __future__ import annotations
 
 import torch
 
+from services.scheduler.cpu_kernels import SharedKV
 from services.scheduler.memory_pool import TokenToKVPool
+from services.scheduler.shared_prefix import MIN_SHARED, SharedPrefixes
 
 
 class DecodeRows:
     """Where a decode batch lives in the dense cache."""
 
     def __init__(self, rows: torch.Tensor, inv: torch.Tensor, seq_lens_rows: torch.Tensor, new_pos: torch.Tensor,
-                 kv_len: int) -> None:
+                 kv_len: int, entry_rows: torch.Tensor | None = None, plen_rows: torch.Tensor | None = None) -> None:
         self.rows = rows                  # [B] int64: dense row of batch position b
         self.inv = inv                    # [B] int64: batch position held by dense row r
         self.seq_lens_rows = seq_lens_rows  # [B] int64: seq_len of each dense row
-        self.new_pos = new_pos            # [B] int64: position of batch position b's new token
+        self.new_pos = new_pos            # [B] int64: index of batch position b's new token in its row
         self.kv_len = kv_len              # L: longest sequence in the batch
+        # With shared prefixes, per dense row: its prefix entry (-1: none) and that prefix's length.
+        self.entry_rows = entry_rows
+        self.plen_rows = plen_rows
 
 
 class DenseDecodeCache:
     def __init__(self, kv_pool: TokenToKVPool, req_to_token: torch.Tensor, num_layers: int,
-                 max_context_len: int, max_bytes: int = 1 << 30) -> None:
+                 max_context_len: int, max_bytes: int = 1 << 30, share_prefixes: bool = False) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.num_layers = num_layers
@@ -50,11 +59,18 @@ class DenseDecodeCache:
         # against 0.87 ms per layer at B=64, L=320 on one core; the C kernel vectorizes over positions).
         self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
         self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
+        self.shared = SharedPrefixes(kv_pool, num_layers, max_bytes // 4) if share_prefixes else None
+        self.entry_at: list[int] = []     # dense row -> its shared prefix entry (-1: none)
+        self.plen_at: list[int] = []      # dense row -> that prefix's length (its row starts after it)
 
     def reset(self) -> None:
         self.row_of.clear()
         self.req_at.clear()
+        self.entry_at.clear()
+        self.plen_at.clear()
         self.k, self.v = [], []
+        if self.shared is not None:
+            self.shared.reset()
 
     def invalidate(self, req_pool_indices: list[int]) -> None:
         for idx in req_pool_indices:
@@ -63,14 +79,20 @@ class DenseDecodeCache:
 
     def _remove(self, idx: int) -> None:
         row = self.row_of.pop(idx)
+        if self.entry_at[row] >= 0:
+            assert self.shared is not None
+            self.shared.release(self.entry_at[row])
         last = len(self.req_at) - 1
         if row != last:  # move the last row into the hole
             moved = self.req_at[last]
             for buf in (*self.k, *self.v):
                 buf[row].copy_(buf[last])
             self.req_at[row] = moved
+            self.entry_at[row], self.plen_at[row] = self.entry_at[last], self.plen_at[last]
             self.row_of[moved] = row
         self.req_at.pop()
+        self.entry_at.pop()
+        self.plen_at.pop()
 
     def _capacity(self) -> tuple[int, int]:
         return (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
@@ -107,23 +129,51 @@ class DenseDecodeCache:
         self.k, self.v = grown_k, grown_v
         return True
 
-    def _fill(self, row: int, idx: int, n: int) -> None:
-        """Copy positions [0, n) of request row `idx` from the pool into dense row `row`."""
-        if n == 0:
+    def _fill(self, row: int, idx: int, start: int, end: int) -> None:
+        """Copy positions [start, end) of request row `idx` from the pool into dense row `row`, from 0."""
+        if end <= start:
             return
-        slots = self.req_to_token[idx, :n]
+        slots = self.req_to_token[idx, start:end]
         for layer in range(self.num_layers):
             kb, vb = self.kv_pool.get_kv_buffer(layer)
-            self.k[layer][row, :, :, :n].copy_(kb.index_select(0, slots).permute(1, 2, 0))
-            self.v[layer][row, :, :n].copy_(vb.index_select(0, slots).transpose(0, 1))
+            self.k[layer][row, :, :, :end - start].copy_(kb.index_select(0, slots).permute(1, 2, 0))
+            self.v[layer][row, :, :end - start].copy_(vb.index_select(0, slots).transpose(0, 1))
+
+    def _share(self, idx: int, written: int, batch: list[int], seq_of: dict[int, int]) -> tuple[int, int]:
+        """(entry, prefix length) for a request joining the batch with `written` positions in the pool;
+        (-1, 0) when it shares no prefix of MIN_SHARED+ tokens with a request of this batch."""
+        if self.shared is None or written < MIN_SHARED:
+            return -1, 0
+        mine = self.req_to_token[idx, :written]
+        e = self.shared.find(mine)
+        if e is not None:
+            self.shared.acquire(e)
+            return e, len(self.shared.slots[e])  # type: ignore[arg-type]
+        # A common prefix with another request of the batch (its first slot first: usually none).
+        others = torch.tensor([i for i in batch if i != idx], dtype=torch.int64)
+        if others.numel() == 0:
+            return -1, 0
+        others = others[self.req_to_token[others, 0] == mine[0]]
+        if others.numel() == 0:
+            return -1, 0
+        same = (self.req_to_token[others, :written] == mine).to(torch.int32).cumprod(1).sum(1)
+        written_by = torch.tensor([seq_of[int(i)] - 1 for i in others], dtype=torch.int64)
+        common = int(torch.minimum(same, written_by).max())
+        if common < MIN_SHARED or (e := self.shared.create(mine[:common])) is None:
+            return -1, 0
+        self.shared.acquire(e)
+        return e, common
 
     def prepare(self, req_pool_indices: list[int], seq_lens: list[int]) -> DecodeRows | None:
         """Make rows 0..B-1 hold exactly this decode batch; None when it would not fit the budget."""
         batch = set(req_pool_indices)
         for idx in [i for i in self.row_of if i not in batch]:
             self._remove(idx)
-        kv_len = max(seq_lens)
-        if not self._ensure(len(req_pool_indices), kv_len):
+        seq_of = dict(zip(req_pool_indices, seq_lens))
+        joining = {idx: self._share(idx, n - 1, req_pool_indices, seq_of)
+                   for idx, n in seq_of.items() if idx not in self.row_of}
+        own_len = max(n - (joining[i][1] if i in joining else self.plen_at[self.row_of[i]]) for i, n in seq_of.items())
+        if not self._ensure(len(req_pool_indices), own_len):
             self.reset()
             return None
         rows = []
@@ -133,13 +183,27 @@ class DenseDecodeCache:
                 row = len(self.req_at)
                 self.req_at.append(idx)
                 self.row_of[idx] = row
-                self._fill(row, idx, seq_len - 1)  # the newest token is written by this forward
+                entry, plen = joining[idx]
+                self.entry_at.append(entry)
+                self.plen_at.append(plen)
+                self._fill(row, idx, plen, seq_len - 1)  # the newest token is written by this forward
             rows.append(row)
         rows_t = torch.tensor(rows, dtype=torch.int64)
         inv = torch.empty_like(rows_t)
         inv[rows_t] = torch.arange(len(rows), dtype=torch.int64)
         seq = torch.tensor(seq_lens, dtype=torch.int64)
-        return DecodeRows(rows_t, inv, seq[inv], seq - 1, kv_len)
+        plen_rows = torch.tensor(self.plen_at, dtype=torch.int64)
+        new_pos = seq - 1 - plen_rows[rows_t]
+        if self.shared is None or not len(self.shared):
+            return DecodeRows(rows_t, inv, seq[inv], new_pos, max(seq_lens))
+        return DecodeRows(rows_t, inv, seq[inv], new_pos, max(seq_lens),
+                          torch.tensor(self.entry_at, dtype=torch.int64), plen_rows)
+
+    def shared_kv(self, layer: int, rows: DecodeRows) -> SharedKV | None:
+        """The layer's shared prefixes as the C kernel reads them; None when no row has one."""
+        if rows.entry_rows is None or rows.plen_rows is None or self.shared is None:
+            return None
+        return SharedKV(self.shared.k[layer], self.shared.v[layer], rows.entry_rows, rows.plen_rows)
 
     def write(self, layer: int, rows: DecodeRows, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, Hkv, D] of the newest token of each batch position."""

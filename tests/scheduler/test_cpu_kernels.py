@@ -58,6 +58,34 @@ def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 3, 64)])
+def test_decode_over_shared_prefixes_matches_whole_rows(kernel, threads: int, heads: int, group: int,
+                                                        dim: int) -> None:
+    """Rows whose first keys sit in a shared prefix buffer give what their whole rows give."""
+    torch.manual_seed(7)
+    b, l_cap, p_cap = 5, 160, 130
+    lens = torch.tensor([150, 3, 129, 70, 100], dtype=torch.int64)
+    entry = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int64)
+    plen = torch.tensor([64, 0, 128, 64, 99], dtype=torch.int64)  # row 4 shares part of entry 0
+    shared_kt, shared_v = torch.randn(2, heads, dim, p_cap), torch.randn(2, heads, p_cap, dim)
+    kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
+    whole_kt, whole_v = kt.clone(), v.clone()  # each row's keys in one buffer, for the reference
+    for r in range(b):
+        n, e = int(plen[r]), int(entry[r])
+        if n:
+            whole_kt[r, :, :, :n], whole_kt[r, :, :, n:] = shared_kt[e, :, :, :n], kt[r, :, :, :l_cap - n]
+            whole_v[r, :, :n], whole_v[r, :, n:] = shared_v[e, :, :n], v[r, :, :l_cap - n]
+        kt[r, :, :, int(lens[r]) - n:] = float("nan")  # past each row's own keys: never read
+        v[r, :, int(lens[r]) - n:] = float("nan")
+    shared_kt[:, :, :, 128:] = float("nan")
+    q = torch.randn(b, heads, group, dim)
+    got = kernel.decode_attention(q, kt, v, lens, dim ** -0.5,
+                                  cpu_kernels.SharedKV(shared_kt, shared_v, entry, plen))
+    want = kernel.decode_attention(q, whole_kt, whole_v, lens, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, reference(q, whole_kt, whole_v, lens, dim ** -0.5), rtol=1e-5, atol=1e-5)
+
+
 def extend_reference(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, lens: list[int], prefix: list[int],
                      scale: float) -> torch.Tensor:
     """Per request: padded SDPA with the causal-after-prefix mask, as the torch backend does it."""

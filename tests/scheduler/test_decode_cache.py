@@ -77,3 +77,50 @@ def test_over_budget_falls_back_to_gathering(runner: ModelRunner) -> None:
         assert runner.attn_backend.metadata.dense_rows is None and not cache.row_of
     finally:
         cache.max_bytes = saved
+
+
+def sharing(runner: ModelRunner, leader: Seq, n: int, own: list[int]) -> Seq:
+    """A request whose first n tokens are the leader's, on the leader's KV slots (a radix-cache hit)."""
+    s = Seq(runner, leader.ids[:n] + own)
+    table = runner.req_to_token_pool.req_to_token
+    table[s.row, :n] = table[leader.row, :n]
+    s.cached = n
+    runner.forward(make_batch([s], ForwardMode.EXTEND, [len(own)]))
+    return s
+
+
+def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str) -> None:
+    runner = ModelRunner(model_dir, device="cpu", max_total_tokens=4096, max_running_requests=16)  # its own rows
+    cache = runner.attn_backend.dense
+    assert cache.shared is not None  # on with the C kernel
+    cache.reset()
+    g = torch.Generator().manual_seed(2)
+    leader = Seq(runner, torch.randint(0, 4000, (100,), generator=g).tolist())
+    loner = Seq(runner, torch.randint(0, 4000, (90,), generator=g).tolist())
+    runner.forward(make_batch([leader, loner], ForwardMode.EXTEND, [100, 90]))
+    seqs = [leader, loner] + [sharing(runner, leader, 80, torch.randint(0, 4000, (k,), generator=g).tolist())
+                              for k in (10, 25)]
+    twins = []  # the same sequences on their own slots, through the gather path
+    for s in seqs:
+        t = Seq(runner, s.ids)
+        runner.forward(make_batch([t], ForwardMode.EXTEND, [len(t.ids)]))
+        twins.append(t)
+
+    def step(active: list[int]) -> None:
+        dense = decode(runner, [seqs[i] for i in active], dense=True)
+        gathered = decode(runner, [twins[i] for i in active], dense=False)
+        torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
+
+    step([0, 1, 2, 3])
+    # The leader and both followers read the 80 shared positions from one entry; the loner has none.
+    plen = {s.row: cache.plen_at[cache.row_of[s.row]] for s in seqs}
+    assert plen == {leader.row: 80, loner.row: 0, seqs[2].row: 80, seqs[3].row: 80}
+    assert len(cache.shared) == 1
+    step([0, 1, 2, 3])
+    step([3, 1, 0])      # a follower leaves, the rows reorder
+    step([1, 3])
+    assert len(cache.shared) == 1
+    step([1])            # the last request on the prefix leaves: the entry goes with it
+    assert len(cache.shared) == 0
+    step([2, 1, 3])      # rejoining followers share it again, from a new entry
+    assert len(cache.shared) == 1 and cache.plen_at[cache.row_of[seqs[2].row]] == 80

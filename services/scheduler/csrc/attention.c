@@ -10,13 +10,17 @@
  * glibc's libmvec). Work is split over `threads` OpenMP threads (torch's own count; torch's CPU build
  * uses the same libgomp, so this shares its thread pool).
  *
- * decode_attention_f32: one query per request row, len = lens[b].
+ * decode_attention_f32: one query per request row, lens[b] keys: plen[b] of them from a shared
+ *   prefix buffer (one copy for every row whose request shares that prompt prefix; entry == NULL: none),
+ *   the rest from the row's own buffer, starting at its index 0.
  *   q [B, H, G, D]; kt [Bcap, H, D, Lcap] (rows 0..B-1 used); v [Bcap, H, Lcap, D]; out [B, H, G, D]
+ *   pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; entry, plen [B]
  * extend_attention_f32: request b's new tokens q_start[b] .. q_start[b+1]-1 follow prefix[b] cached
  *   ones; its i-th new token sees keys [0, prefix[b] + i] (causal after the prefix). Requests run one
  *   (b, KV head) pair per task, so a request's K/V stay in cache while all its queries read them.
  *   q [T, H, G, D] (T = q_start[B]); kt [B, H, D, Lcap]; v [B, H, Lcap, D]; out [T, H, G, D]
- * scratch: threads * G * Lcap floats. All int64 except `threads`; all arrays contiguous.
+ * scratch: threads * G * (Pcap + Lcap) floats (extend: Pcap = 0). All int64 except `threads`;
+ * all arrays contiguous.
  */
 #include <math.h>
 #include <omp.h>
@@ -25,18 +29,18 @@
 #define BL 64
 #define GMAX 16
 
-static inline __attribute__((always_inline)) void head(const float *restrict qb, const float *restrict kb,
-                                                        const float *restrict vb, float *restrict ob,
-                                                        float *restrict s, int64_t len, int64_t Lcap,
-                                                        float scale, const int64_t G, const int64_t D) {
-    /* scores: s[g * Lcap + l] = scale * q[g] . K[l] */
-    for (int64_t l0 = 0; l0 < len; l0 += BL) {
+/* s[g * S + l] = scale * q[g] . K[l] for l in [0, n); K^T rows of `cap` positions. */
+static inline __attribute__((always_inline)) void scores(const float *restrict qb, const float *restrict kb,
+                                                          int64_t n_keys, int64_t cap, float *restrict s,
+                                                          int64_t S, float scale, const int64_t G,
+                                                          const int64_t D) {
+    for (int64_t l0 = 0; l0 < n_keys; l0 += BL) {
         float acc[GMAX][BL];
         for (int64_t g = 0; g < G; g++)
             for (int64_t i = 0; i < BL; i++) acc[g][i] = 0.0f;
-        if (l0 + BL <= Lcap) { /* full-width loads stay inside the buffer (past len: ignored) */
+        if (l0 + BL <= cap) { /* full-width loads stay inside the buffer (past n_keys: ignored) */
             for (int64_t d = 0; d < D; d++) {
-                const float *restrict kd = kb + d * Lcap + l0;
+                const float *restrict kd = kb + d * cap + l0;
                 for (int64_t g = 0; g < G; g++) {
                     const float qd = qb[g * D + d];
 #pragma omp simd
@@ -44,45 +48,68 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
                 }
             }
         } else {
-            const int64_t n = len - l0;
+            const int64_t n = n_keys - l0;
             for (int64_t d = 0; d < D; d++) {
-                const float *restrict kd = kb + d * Lcap + l0;
+                const float *restrict kd = kb + d * cap + l0;
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t i = 0; i < n; i++) acc[g][i] += qb[g * D + d] * kd[i];
             }
         }
-        const int64_t n = len - l0 < BL ? len - l0 : BL;
+        const int64_t n = n_keys - l0 < BL ? n_keys - l0 : BL;
         for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < n; i++) s[g * Lcap + l0 + i] = acc[g][i] * scale;
+            for (int64_t i = 0; i < n; i++) s[g * S + l0 + i] = acc[g][i] * scale;
     }
-    /* softmax over [0, len) per query head */
+}
+
+/* acc[g] += sum_l p[g * S + l] V[l] for l in [0, n). */
+static inline __attribute__((always_inline)) void weigh(float acc[GMAX][128], const float *restrict p,
+                                                         int64_t S, const float *restrict vb, int64_t n,
+                                                         const int64_t G, const int64_t D) {
+    for (int64_t l = 0; l < n; l++) {
+        const float *restrict vl = vb + l * D;
+        for (int64_t g = 0; g < G; g++) {
+            const float pg = p[g * S + l];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[g][d] += pg * vl[d];
+        }
+    }
+}
+
+/* One query token against its keys: `plen` from a shared prefix buffer (pk/pv, `pcap` positions; none
+ * when plen is 0), then `len` of its own (kb/vb, `Lcap` positions). The keys are scored into one
+ * array, so the softmax and the weighted sum see them in position order exactly as if one buffer held
+ * them all. s: G rows of S >= plen + len floats. */
+static inline __attribute__((always_inline)) void head(const float *restrict qb, const float *restrict pk,
+                                                        const float *restrict pv, int64_t plen, int64_t pcap,
+                                                        const float *restrict kb, const float *restrict vb,
+                                                        int64_t len, int64_t Lcap, float *restrict ob,
+                                                        float *restrict s, int64_t S, float scale,
+                                                        const int64_t G, const int64_t D) {
+    const int64_t total = plen + len;
+    if (plen > 0) scores(qb, pk, plen, pcap, s, S, scale, G, D);
+    scores(qb, kb, len, Lcap, s + plen, S, scale, G, D);
+    /* softmax over [0, total) per query head */
     for (int64_t g = 0; g < G; g++) {
-        float *restrict sg = s + g * Lcap;
+        float *restrict sg = s + g * S;
         float m = sg[0];
 #pragma omp simd reduction(max : m)
-        for (int64_t l = 1; l < len; l++) m = sg[l] > m ? sg[l] : m;
+        for (int64_t l = 1; l < total; l++) m = sg[l] > m ? sg[l] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < len; l++) {
+        for (int64_t l = 0; l < total; l++) {
             sg[l] = expf(sg[l] - m);
             sum += sg[l];
         }
         const float inv = 1.0f / sum;
 #pragma omp simd
-        for (int64_t l = 0; l < len; l++) sg[l] *= inv;
+        for (int64_t l = 0; l < total; l++) sg[l] *= inv;
     }
     /* out[g] = sum_l p[g][l] V[l] */
     float acc[GMAX][128];
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
-    for (int64_t l = 0; l < len; l++) {
-        const float *restrict vl = vb + l * D;
-        for (int64_t g = 0; g < G; g++) {
-            const float p = s[g * Lcap + l];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[g][d] += p * vl[d];
-        }
-    }
+    if (plen > 0) weigh(acc, s, S, pv, plen, G, D);
+    weigh(acc, s + plen, S, vb, len, G, D);
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g][d];
 }
@@ -102,18 +129,26 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
         else { BODY(G, 128) }                                                                          \
     } else { BODY(G, D) }
 
+/* Row b's keys: plen[b] from shared prefix entry entry[b] (pk/pv: [E, H, D, Pcap] / [E, H, Pcap, D];
+ * entry may be NULL: no sharing), then lens[b] - plen[b] of its own. */
 #define DECODE_ROWS(GC, DC)                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
-        float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * Lcap;                               \
-        head(q + bh * (GC) * (DC), kt + bh * (DC) * Lcap, v + bh * Lcap * (DC), out + bh * (GC) * (DC),  \
-             s, lens[bh / H], Lcap, scale, (GC), (DC));                                                \
+        const int64_t b = bh / H, h = bh % H;                                                          \
+        const int64_t pl = entry ? plen[b] : 0;                                                        \
+        const int64_t e = pl > 0 ? entry[b] : 0;                                                       \
+        float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
+        head(q + bh * (GC) * (DC), pk + (e * H + h) * (DC) * Pcap, pv + (e * H + h) * Pcap * (DC), pl,   \
+             Pcap, kt + bh * (DC) * Lcap, v + bh * Lcap * (DC), lens[b] - pl, Lcap,                     \
+             out + bh * (GC) * (DC), s, Pcap + Lcap, scale, (GC), (DC));                               \
     }
 
 int decode_attention_f32(const float *q, const float *kt, const float *v, const int64_t *lens, float *out,
                          float *scratch, int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lcap,
-                         float scale, int threads) {
+                         float scale, int threads, const float *pk, const float *pv, const int64_t *entry,
+                         const int64_t *plen, int64_t Pcap) {
     if (G < 1 || G > GMAX || D < 1 || D > 128 || threads < 1) return -1;
+    if (!entry) Pcap = 0;
     DISPATCH(DECODE_ROWS)
     return 0;
 }
@@ -125,8 +160,8 @@ int decode_attention_f32(const float *q, const float *kt, const float *v, const 
         const int64_t b = bh / H, h = bh % H;                                                          \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * Lcap;                               \
         for (int64_t t = q_start[b]; t < q_start[b + 1]; t++)                                          \
-            head(q + (t * H + h) * (GC) * (DC), kt + bh * (DC) * Lcap, v + bh * Lcap * (DC),           \
-                 out + (t * H + h) * (GC) * (DC), s, prefix[b] + (t - q_start[b]) + 1, Lcap, scale,     \
+            head(q + (t * H + h) * (GC) * (DC), kt, v, 0, 0, kt + bh * (DC) * Lcap, v + bh * Lcap * (DC),  \
+                 prefix[b] + (t - q_start[b]) + 1, Lcap, out + (t * H + h) * (GC) * (DC), s, Lcap, scale,  \
                  (GC), (DC));                                                                          \
     }
 
