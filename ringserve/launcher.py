@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringserve import cpu_layout
 from ringserve.config import parse_config
+from ringserve.cpu_layout import CpuLayout
 from ringserve.logs import setup_logging
 from ringserve.process import ServiceProcess, python_cmd
 from ringserve.text_tokenizer import default_model
@@ -41,6 +43,9 @@ class LauncherConfig:
     startup_timeout_s: float = field(default=600.0, metadata={"help": "per service, model load included"})
     restart: bool = field(default=True, metadata={"help": "restart a service that exits"})
     max_backoff_s: float = 30.0
+    io_cores: int = field(default=-1, metadata={"help": (
+        "cores kept for the gateway, tokenizer and detokenizer when the scheduler runs on CPU: they are "
+        "pinned there and its decode steps use the other cores; 0: no pinning; -1: one per 8 cores")})
     scheduler_args: str = field(default="", metadata={"help": "extra flags for the scheduler"})
     tokenizer_args: str = field(default="", metadata={"help": "extra flags for the tokenizer"})
     detokenizer_args: str = field(default="", metadata={"help": "extra flags for the detokenizer"})
@@ -56,9 +61,12 @@ class Managed:
     restarts: int = 0
 
 
-def service_commands(cfg: LauncherConfig) -> list[tuple[str, list[str], str | None]]:
+def service_commands(cfg: LauncherConfig, layout: CpuLayout | None = None
+                     ) -> list[tuple[str, list[str], str | None]]:
     """(name, command, gRPC health target) in start order."""
     h = cfg.host
+    # Before the user's own flags, so that an explicit --decode-threads wins.
+    threads = ["--decode-threads", str(layout.decode_threads)] if layout else []
     detok = f"{h}:{cfg.detokenizer_port}"
     sched = f"{h}:{cfg.scheduler_port}"
     tok = f"{h}:{cfg.tokenizer_port}"
@@ -69,7 +77,7 @@ def service_commands(cfg: LauncherConfig) -> list[tuple[str, list[str], str | No
                                    *shlex.split(cfg.detokenizer_args)), detok),
         ("scheduler", python_cmd("services.scheduler", "--host", h, "--port", str(cfg.scheduler_port),
                                  "--metrics-port", str(cfg.scheduler_metrics_port), *m,
-                                 "--detokenizer", detok, *shlex.split(cfg.scheduler_args)), sched),
+                                 "--detokenizer", detok, *threads, *shlex.split(cfg.scheduler_args)), sched),
         ("tokenizer", python_cmd("services.tokenizer", "--host", h, "--port", str(cfg.tokenizer_port),
                                  "--metrics-port", str(cfg.tokenizer_metrics_port), *m,
                                  "--scheduler", sched, "--detokenizer", detok,
@@ -84,6 +92,7 @@ class Launcher:
         self.cfg = cfg
         self.stopping = threading.Event()
         self.services: list[Managed] = []
+        self.layout = cpu_layout.plan(cfg.io_cores, cpu_layout.scheduler_on_cpu(cfg.scheduler_args))
 
     def _wait_ready(self, svc: Managed) -> None:
         if svc.grpc_target is not None:
@@ -92,9 +101,13 @@ class Launcher:
             svc.proc.wait_ready_line(self.cfg.startup_timeout_s)
 
     def start_all(self) -> None:
-        for name, cmd, target in service_commands(self.cfg):
+        if self.layout is not None:
+            log.info("CPU layout: gateway, tokenizer and detokenizer on cores %s; scheduler decode on %d "
+                     "threads", ",".join(map(str, sorted(self.layout.io_cpus))), self.layout.decode_threads)
+        for name, cmd, target in service_commands(self.cfg, self.layout):
             log.info("starting %s: %s", name, shlex.join(cmd))
-            svc = Managed(ServiceProcess(name, cmd).start(), target)
+            cpus = self.layout.io_cpus if self.layout is not None and name != "scheduler" else None
+            svc = Managed(ServiceProcess(name, cmd, cpus=cpus).start(), target)
             self.services.append(svc)
             t0 = time.monotonic()
             self._wait_ready(svc)

@@ -65,8 +65,9 @@ class ServiceProcess:
     """A child process whose output is copied, line by line with a prefix, to `sink`."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
-                 sink: IO[str] | None = None, cwd: Path = ROOT) -> None:
+                 sink: IO[str] | None = None, cwd: Path = ROOT, cpus: frozenset[int] | None = None) -> None:
         self.name = name
+        self.cpus = cpus  # pin the process to these cores (None: wherever the OS puts it)
         self.cmd = cmd
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.sink = sink if sink is not None else sys.stdout
@@ -83,6 +84,13 @@ class ServiceProcess:
         self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      start_new_session=True)
+        if self.cpus:
+            # Popen returns once the child has exec'd, before the interpreter has started any thread,
+            # so the main thread's mask is the one every later thread inherits.
+            try:
+                os.sched_setaffinity(self.proc.pid, self.cpus)
+            except ProcessLookupError:
+                pass  # it already exited; the supervisor sees that
         self._reader = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
         self._reader.start()
         return self

@@ -35,6 +35,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
+    decode_threads: int | None = field(default=None, metadata=_h(
+        "CPU threads for decode steps (default: num_threads); prefill keeps num_threads. Fewer than the "
+        "cores leaves a core to processes sharing the machine (the launcher sets it)"))
     disable_cpu_kernels: bool = field(default=False, metadata=_h("plain torch on CPU: no C attention "
                                                                   "kernels, no oneDNN-packed linear weights"))
     kernel_cache: str | None = field(default=None, metadata=_h("directory for the compiled CPU kernels "
@@ -53,6 +56,9 @@ class EngineConfig:
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not fcfs or lpm")
         for name in ("max_running_requests", "max_prefill_tokens", "max_queued_requests", "stream_interval"):
             if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        for name in ("num_threads", "decode_threads"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         if self.chunked_prefill_size < 0:
             raise ValueError("chunked_prefill_size: must be >= 0")

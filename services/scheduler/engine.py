@@ -63,7 +63,7 @@ class Engine:
             cfg.model, device=cfg.device, dtype=cfg.dtype, max_total_tokens=cfg.max_total_tokens,
             mem_fraction=cfg.mem_fraction, max_running_requests=cfg.max_running_requests,
             context_length=cfg.context_length, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-            disable_cuda_graph=cfg.disable_cuda_graph, num_threads=cfg.num_threads,
+            disable_cuda_graph=cfg.disable_cuda_graph, num_threads=cfg.num_threads, decode_threads=cfg.decode_threads,
             cpu_kernels=not cfg.disable_cpu_kernels, kernel_cache=cfg.kernel_cache)
         self.tokenizer = TextTokenizer.from_model(cfg.model)
         self.tree = RadixCache(self.runner.token_to_kv_pool, self.runner.device, disable=cfg.disable_radix_cache)

@@ -28,7 +28,7 @@ class ModelRunner:
                  max_total_tokens: int | None = None, mem_fraction: float = 0.85,
                  max_running_requests: int = 256, context_length: int | None = None,
                  cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
-                 num_threads: int | None = None, cpu_kernels: bool = True,
+                 num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
                  kernel_cache: str | None = None) -> None:
         t0 = time.monotonic()
         self.model_path = model_path
@@ -38,6 +38,13 @@ class ModelRunner:
         self.dtype = _resolve_dtype(dtype, self.device)
         if num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
+        # Prefill is GEMM-bound and gains from every core; a decode step is short, and its threads'
+        # barriers stall whenever another process (the services, on a shared machine) takes a core.
+        self.prefill_threads = torch.get_num_threads()
+        self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
+        self._threads = self.prefill_threads
+        if self.device.type == "cpu":
+            logger.info("CPU threads: %d for prefill, %d for decode", self.prefill_threads, self.decode_threads)
         self.cpu_kernels = cpu_kernels
         self.kernel_cache = kernel_cache
         # The C kernels (attention, rotary, SiLU gate) for float32 on CPU; None: torch everywhere.
@@ -132,6 +139,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.device.type == "cpu":
+            self._use_threads(self.decode_threads if batch.mode == ForwardMode.DECODE else self.prefill_threads)
         self.attn_backend.init_forward_metadata(batch)
         if batch.mode == ForwardMode.DECODE:
             last_index = None  # one token per request: every row is a last token
@@ -142,6 +151,12 @@ class ModelRunner:
                 ends.append(total - 1)
             last_index = None if total == len(ends) else torch.tensor(ends, dtype=torch.int64).to(self.device)
         return self.model(batch.input_ids, batch.positions, self.attn_backend, last_index)
+
+    def _use_threads(self, n: int) -> None:
+        # Set on the calling (engine) thread every time it changes: OpenMP's thread count is per thread.
+        if n != self._threads or torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+            self._threads = n
 
     @torch.inference_mode()
     def warmup(self) -> None:

@@ -71,3 +71,24 @@ def test_killed_service_is_restarted(stack: Stack) -> None:
     wait_grpc_serving(stack.tokenizer, timeout=60)
     out = stack.generate({"text": "again", "sampling_params": {"max_new_tokens": 4}})
     assert len(out["output_ids"]) == 4 or out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_io_services_pinned_apart_from_the_forward_on_a_cpu_machine(stack: Stack) -> None:
+    import psutil
+
+    from ringserve import cpu_layout
+
+    assert stack.launcher.proc is not None
+    layout = cpu_layout.plan(-1, cpu_layout.scheduler_on_cpu(""))
+    everywhere = sorted(os.sched_getaffinity(0))
+    seen = {}
+    for p in psutil.Process(stack.launcher.proc.pid).children(recursive=True):
+        args = p.cmdline()
+        module = args[args.index("-m") + 1] if "-m" in args else ""
+        if module in ("services.scheduler", "services.tokenizer", "services.detokenizer", "gateway"):
+            seen[module.split(".")[-1]] = sorted(p.cpu_affinity())
+    assert len(seen) == 4
+    io = everywhere if layout is None else sorted(layout.io_cpus)
+    assert seen == {"scheduler": everywhere, "tokenizer": io, "detokenizer": io, "gateway": io}
+    if layout is not None:
+        assert f"--decode-threads {layout.decode_threads}" in stack.launcher.output()

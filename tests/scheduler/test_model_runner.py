@@ -172,3 +172,39 @@ def test_architecture_variants(name: str, tmp_path) -> None:
     logits = r.forward(make_batch(seqs, ForwardMode.DECODE, [1, 1]))
     for i, s in enumerate(seqs):
         torch.testing.assert_close(logits[i], hf_last_logits(hf, s.ids), atol=ATOL, rtol=0)
+
+
+def test_decode_steps_run_on_decode_threads(runner: ModelRunner, model_dir: str) -> None:
+    """--decode-threads: decode steps on fewer threads, prefill on all, the same logits either way."""
+    threads0 = torch.get_num_threads()
+    lean = ModelRunner(model_dir, device="cpu", max_total_tokens=1024, max_running_requests=4,
+                       num_threads=2, decode_threads=1)
+    try:
+        assert (lean.prefill_threads, lean.decode_threads) == (2, 1)
+        used: list[tuple[ForwardMode, int]] = []
+        meta = lean.attn_backend.init_forward_metadata
+
+        def spy(batch: ForwardBatch) -> None:
+            used.append((batch.mode, torch.get_num_threads()))
+            meta(batch)
+
+        lean.attn_backend.init_forward_metadata = spy  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (33, 7)]
+        pairs = [[Seq(r, p) for p in prompts] for r in (lean, runner)]
+        logits = [r.forward(make_batch(s, ForwardMode.EXTEND, [33, 7])) for r, s in zip((lean, runner), pairs)]
+        for _ in range(3):
+            torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+            nxt = logits[1].argmax(-1).tolist()
+            for seqs in pairs:
+                for s, t in zip(seqs, nxt):
+                    s.ids.append(t)
+            logits = [r.forward(make_batch(s, ForwardMode.DECODE, [1, 1])) for r, s in zip((lean, runner), pairs)]
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)
+        assert used == [(ForwardMode.EXTEND, 2)] + [(ForwardMode.DECODE, 1)] * 3
+        for r, seqs in zip((lean, runner), pairs):
+            for s in seqs:
+                r.token_to_kv_pool.free(r.req_to_token_pool.req_to_token[s.row, :s.cached])
+                r.req_to_token_pool.free(s.row)
+    finally:
+        torch.set_num_threads(threads0)
