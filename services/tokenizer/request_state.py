@@ -8,10 +8,10 @@ back half a character or a possible stop string.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ringserve.errors import ServiceError
 
@@ -32,6 +32,13 @@ class Chunk:
         return not self.text and not self.ids
 
 
+class Wakeup(Protocol):
+    """What a state calls when it has news: an asyncio.Event for a lone Generate call, or a
+    GenerateStream session's mark-this-call-ready hook."""
+
+    def set(self) -> None: ...
+
+
 @dataclass
 class ReqState:
     """One sample of one Generate call. `event` is shared by every sample of the call, so one
@@ -41,7 +48,7 @@ class ReqState:
     group: str  # the client's rid
     index: int  # sample index in [0, n)
     scheduler: str  # address of the scheduler it was routed to
-    event: asyncio.Event
+    event: Wakeup
     created: float = field(default_factory=time.monotonic)
     pending: Chunk = field(default_factory=Chunk)
     num_ids: int = 0  # output ids received (token_offset dedup)

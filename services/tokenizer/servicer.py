@@ -15,14 +15,15 @@ import grpc
 
 from ringserve.finish import finish_to_pb
 from ringserve import __version__
-from ringserve.errors import InvalidArgument
+from ringserve.errors import InvalidArgument, ServiceError
 from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 
 from .generate_session import GenerateSession
 from .io_struct import ChatInput, GenerateInput, GenerateOutput, LoadInfo, SamplingInput
+from .request_state import Wakeup
 from .routing import SchedulerView
-from .tokenizer_manager import TokenizerManager
+from .tokenizer_manager import Call, TokenizerManager
 
 TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
 
@@ -85,6 +86,23 @@ def load_to_pb(view: SchedulerView) -> api_pb2.SchedulerLoad:
                                  token_usage=l.token_usage)
 
 
+class StreamGenerations:
+    """The manager as a GenerateStream session sees it: protobuf in and out (generate_session.Generations)."""
+
+    def __init__(self, manager: TokenizerManager) -> None:
+        self.manager = manager
+
+    async def start(self, req: api_pb2.GenerateRequest, wakeup: Wakeup) -> Call:
+        return await self.manager.start(generate_from_pb(req), wakeup)
+
+    def collect(self, call: Call) -> tuple[list[api_pb2.GenerateResponse], bool, ServiceError | None]:
+        outs, error = self.manager.collect(call)
+        return [output_to_pb(o) for o in outs], call.done, error
+
+    def release(self, call: Call) -> None:
+        self.manager.release(call)
+
+
 class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
     def __init__(self, manager: TokenizerManager, tokenizer: TextTokenizer, model_path: str,
                  served_model_name: str, routing_policy: str, views: Callable[[], list[SchedulerView]],
@@ -98,22 +116,17 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         self.detokenizer_connected = detokenizer_connected
         self.stopping: asyncio.Event | None = None  # the server's drain signal, for GenerateStream
 
-    # aclosing everywhere below: a call cancelled (or past its deadline) while suspended at a yield
-    # closes the inner generators now, not at GC, so the manager's finally aborts the request at once.
-    async def _generate(self, request: api_pb2.GenerateRequest) -> AsyncIterator[api_pb2.GenerateResponse]:
+    # aclosing below: a call cancelled (or past its deadline) while suspended at a yield closes the
+    # inner generators now, not at GC, so the manager's finally aborts the request at once.
+    async def Generate(self, request: api_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateResponse]:
         async with aclosing(self.manager.generate(generate_from_pb(request))) as outputs:
             async for out in outputs:
                 yield output_to_pb(out)
 
-    async def Generate(self, request: api_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateResponse]:
-        async with aclosing(self._generate(request)) as outputs:
-            async for out in outputs:
-                yield out
-
     async def GenerateStream(self, request_iterator: AsyncIterator[api_pb2.GenerateStreamRequest],
                              context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateStreamResponse]:
-        async with aclosing(GenerateSession(self._generate, self.stopping).serve(request_iterator)) as batches:
+        async with aclosing(GenerateSession(StreamGenerations(self.manager), self.stopping).serve(request_iterator)) as batches:
             async for batch in batches:
                 yield batch
 

@@ -2,9 +2,9 @@
 
 A Generate call is validated and tokenized, expanded into n internal requests, routed to one
 scheduler and registered in `rid_to_state`; the detokenizer's deltas fill each ReqState and wake
-the call, which yields outputs until every sample has finished. A state lives from intake until
-its call stops consuming (finished, error, abort, cancel or deadline: the `finally` of
-`generate`), so rid_to_state cannot leak. Nothing here knows gRPC: schedulers are reached through
+the call's consumer, which collects outputs until every sample has finished. A state lives from
+intake until its consumer releases the call (finished, error, abort, cancel or deadline: the
+`finally` of `generate`, or a GenerateStream session's own bookkeeping), so rid_to_state cannot leak. Nothing here knows gRPC: schedulers are reached through
 the `SchedulerLinks` protocol and errors are ringserve.errors exceptions.
 """
 
@@ -23,7 +23,7 @@ from ringserve.errors import AlreadyExists, ResourceExhausted, ServiceError, Una
 
 from .io_struct import GenerateInput, GenerateOutput, LoadInfo, Logprob, TextDeltaIn, TokenizedReq
 from .metrics import ModelMetrics
-from .request_state import Chunk, ReqState
+from .request_state import Chunk, ReqState, Wakeup
 from .routing import Router, SchedulerView
 from .validation import Limits, ModelTokenizer, prepare
 
@@ -44,6 +44,22 @@ class TextTokenizerLike(ModelTokenizer, Protocol):
     chat_template: str | None
 
     def token_texts(self, ids: list[int]) -> list[str]: ...
+
+
+@dataclass
+class Call:
+    """One Generate call: its samples (n of them) and what its outputs report."""
+
+    rid: str  # the client's
+    req: GenerateInput
+    states: list[ReqState]
+    pending: list[ReqState]  # not finished yet
+    arrived: float
+    tokenize_s: float
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,10 @@ class TokenizerManager:
 
     # ---- intake and collection -------------------------------------------------------------
 
-    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def start(self, req: GenerateInput, wakeup: Wakeup) -> Call:
+        """Intake: validate, tokenize, register the samples and send them to a scheduler. The
+        samples call `wakeup.set()` whenever they have news; `collect` takes it. The caller must
+        `release` the call when it stops consuming (also after an error here: nothing to do then)."""
         arrived = time.monotonic()
         rid = req.rid or uuid.uuid4().hex
         if rid in self.groups:
@@ -87,12 +106,11 @@ class TokenizerManager:
         if not self.detokenizer_up():
             raise Unavailable("detokenizer unavailable")
         address = self.router.select(prepared.input_ids, self.schedulers.views(self.in_flight()))
-        event = asyncio.Event()
         states = [
             ReqState(req=TokenizedReq(rid=r, owner=self.owner, input_ids=prepared.input_ids, sampling=sp,
                                       stream=req.stream, return_logprob=req.return_logprob,
                                       top_logprobs_num=req.top_logprobs_num),
-                     group=rid, index=i, scheduler=address, event=event, created=arrived,
+                     group=rid, index=i, scheduler=address, event=wakeup, created=arrived,
                      prompt_tokens=len(prepared.input_ids))
             for i, (r, sp) in enumerate(zip(rids, prepared.samplings))]
         self.groups[rid] = states
@@ -100,41 +118,58 @@ class TokenizerManager:
             self.rid_to_state[s.rid] = s
         log.info("rid=%s intake n=%d prompt_tokens=%d stream=%s scheduler=%s", rid, n,
                  len(prepared.input_ids), req.stream, address)
+        call = Call(rid, req, states, list(states), arrived, tokenize_s)
         try:
-            try:
-                await self.schedulers.send(address, [s.req for s in states])
-            except ServiceError as e:
+            await self.schedulers.send(address, [s.req for s in states])
+        except BaseException as e:  # also cancellation: forget the states (never reached the scheduler)
+            if isinstance(e, ServiceError):
                 for s in states:
-                    s.fail(e)  # never reached the scheduler: nothing to abort there
-                raise
-            self.metrics.num_requests.inc(n)
-            self.metrics.prompt_tokens.inc(n * len(prepared.input_ids))
-            async for out in self._collect(states, req, arrived, tokenize_s):
-                yield out
-        finally:
-            self._release(rid, states)
+                    s.fail(e)
+            self.release(call)
+            raise
+        self.metrics.num_requests.inc(n)
+        self.metrics.prompt_tokens.inc(n * len(prepared.input_ids))
+        return call
 
-    async def _collect(self, states: list[ReqState], req: GenerateInput, arrived: float,
-                       tokenize_s: float) -> AsyncIterator[GenerateOutput]:
-        pending = list(states)
-        event = states[0].event
-        while pending:
-            await event.wait()
-            event.clear()
-            for s in list(pending):
-                if s.error is not None:
-                    raise s.error
-                if s.finished and s.finish is not None and s.finish.type == "abort" and s.finish.status_code:
-                    raise error_for_code(s.finish.status_code, s.finish.message or "aborted")
-                # Read `finished` once: more deltas (the last one included) can land while this
-                # generator is suspended at the yield, and they must go out in a later chunk.
-                finished = s.finished
-                if req.stream or finished:
-                    chunk = s.take()
-                    if not chunk.empty() or finished:
-                        yield self._output(s, chunk, req, arrived, tokenize_s, finished)
-                if finished:
-                    pending.remove(s)
+    def collect(self, call: Call) -> tuple[list[GenerateOutput], ServiceError | None]:
+        """What the call's samples produced since the last look (streamed chunks, finished samples),
+        and the error that ends the call, if one did. `call.done` once every sample has finished."""
+        outs: list[GenerateOutput] = []
+        req = call.req
+        for s in list(call.pending):
+            if s.error is not None:
+                return outs, s.error
+            if s.finished and s.finish is not None and s.finish.type == "abort" and s.finish.status_code:
+                return outs, error_for_code(s.finish.status_code, s.finish.message or "aborted")
+            # Read `finished` once: more deltas (the last one included) can land while the consumer
+            # is suspended, and they must go out in a later chunk.
+            finished = s.finished
+            if req.stream or finished:
+                chunk = s.take()
+                if not chunk.empty() or finished:
+                    outs.append(self._output(s, chunk, req, call.arrived, call.tokenize_s, finished))
+            if finished:
+                call.pending.remove(s)
+        return outs, None
+
+    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateOutput]:
+        """One call's outputs as an async stream (a lone Generate call; GenerateStream sessions
+        use start / collect / release themselves)."""
+        event = asyncio.Event()
+        call = await self.start(req, event)
+        try:
+            while True:
+                outs, error = self.collect(call)
+                for out in outs:
+                    yield out
+                if error is not None:
+                    raise error
+                if call.done:
+                    return
+                await event.wait()
+                event.clear()
+        finally:
+            self.release(call)
 
     def _output(self, s: ReqState, chunk: Chunk, req: GenerateInput, arrived: float,
                 tokenize_s: float, finished: bool) -> GenerateOutput:
@@ -169,8 +204,9 @@ class TokenizerManager:
         return [replace(lp, token=name, top_tokens=tuple(next(texts) for _ in lp.top))
                 for lp, name in zip(logprobs, named)]
 
-    def _release(self, rid: str, states: list[ReqState]) -> None:
+    def release(self, call: Call) -> None:
         """The call stopped consuming: abort what still runs and forget every sample."""
+        rid, states = call.rid, call.states
         running = [s for s in states if not s.finished]
         if running:
             self.metrics.num_aborted.inc(len(running))

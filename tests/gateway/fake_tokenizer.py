@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.tokenizer.generate_session import GenerateSession
+from services.tokenizer.request_state import Wakeup
 
 from ringserve.errors import ServiceError
 from ringserve.v1 import api_pb2 as pb
@@ -94,6 +95,48 @@ def _error(code: str, message: str) -> ServiceError:
     return err
 
 
+class _HandlerCall:
+    def __init__(self, wakeup: Wakeup) -> None:
+        self.wakeup = wakeup
+        self.outs: list[pb.GenerateResponse] = []
+        self.done = False
+        self.error: ServiceError | None = None
+        self.task: asyncio.Task[None] | None = None
+
+
+class HandlerGenerations:
+    """The tokenizer's GenerateStream session protocol (generate_session.Generations) over the
+    fake's per-request output generator: a task per request buffers what it yields."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+
+    async def start(self, req: pb.GenerateRequest, wakeup: Wakeup) -> _HandlerCall:
+        call = _HandlerCall(wakeup)
+        call.task = asyncio.ensure_future(self._run(call, self.handler(req)))
+        return call
+
+    async def _run(self, call: _HandlerCall, outputs) -> None:
+        try:
+            async for out in outputs:
+                call.outs.append(out)
+                call.wakeup.set()
+        except ServiceError as e:
+            call.error = e
+        finally:
+            await outputs.aclose()
+            call.done = True
+            call.wakeup.set()
+
+    def collect(self, call: _HandlerCall) -> tuple[list[pb.GenerateResponse], bool, ServiceError | None]:
+        outs, call.outs = call.outs, []
+        return outs, call.done, call.error
+
+    def release(self, call: _HandlerCall) -> None:
+        if call.task is not None:
+            call.task.cancel()
+
+
 class FakeInference(api_pb2_grpc.InferenceServiceServicer):
     def __init__(self) -> None:
         self.calls: list[pb.GenerateRequest] = []
@@ -119,7 +162,7 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
     async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
         # The tokenizer's own session over the fake's outputs, as the real servicer wires it.
         # aclosing: a call that ends at a yield still stops its generations now, not at GC.
-        async with aclosing(GenerateSession(self._outputs).serve(request_iterator)) as batches:
+        async with aclosing(GenerateSession(HandlerGenerations(self._outputs)).serve(request_iterator)) as batches:
             async for batch in batches:
                 yield batch
 

@@ -7,31 +7,62 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from ringserve.errors import InvalidArgument
+from ringserve.errors import InvalidArgument, ServiceError
 from ringserve.v1 import api_pb2 as pb
 from services.tokenizer.generate_session import GenerateSession
+from services.tokenizer.request_state import Wakeup
 
 
-class Handler:
-    """Fake generations: "<rid>" yields `steps` messages, one per `tick`; "bad" fails; "boom" has a bug."""
+class FakeCall:
+    def __init__(self, rid: str, text: str, wakeup: Wakeup) -> None:
+        self.rid, self.text, self.wakeup = rid, text, wakeup
+        self.made = self.sent = 0
+
+
+class Fake:
+    """Fake generations: "<rid>" makes `steps` tokens, one per engine step (`tick`); "bad" fails at
+    intake; "boom" has a bug when collected. A collect merges what is new into one message, as the
+    manager's request states do."""
 
     def __init__(self, steps: int = 3) -> None:
         self.steps = steps
-        self.tick = asyncio.Event()
-        self.closed: list[str] = []
+        self.live: list[FakeCall] = []
+        self.released: list[str] = []
 
-    async def __call__(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            if req.text == "bad":
-                raise InvalidArgument("sampling_params.temperature", "must be >= 0")
-            for k in range(self.steps):
-                await self.tick.wait()
-                await asyncio.sleep(0)  # a step of the engine: other generations and the writer run
-                if req.text == "boom":
-                    raise RuntimeError("bug")
-                yield pb.GenerateResponse(rid=req.rid, text=f"{k}", output_ids=[k], finished=k == self.steps - 1)
-        finally:
-            self.closed.append(req.rid)
+    async def start(self, req: pb.GenerateRequest, wakeup: Wakeup) -> FakeCall:
+        if req.text == "bad":
+            raise InvalidArgument("sampling_params.temperature", "must be >= 0")
+        await asyncio.sleep(0)  # the intake awaits the scheduler link
+        call = FakeCall(req.rid, req.text, wakeup)
+        self.live.append(call)
+        return call
+
+    def tick(self) -> None:
+        for call in self.live:
+            if call.made < self.steps:
+                call.made += 1
+                call.wakeup.set()
+
+    def collect(self, call: FakeCall) -> tuple[list[pb.GenerateResponse], bool, ServiceError | None]:
+        if call.text == "boom":
+            raise RuntimeError("bug")
+        new = range(call.sent, call.made)
+        call.sent = call.made
+        done = call.sent == self.steps
+        outs = [pb.GenerateResponse(rid=call.rid, text="".join(map(str, new)), output_ids=list(new),
+                                    finished=done)] if new else []
+        return outs, done, None
+
+    def release(self, call: FakeCall) -> None:
+        self.released.append(call.rid)
+        self.live.remove(call)
+
+
+async def engine(fake: Fake) -> None:
+    """One engine step per turn of the loop, as the scheduler's deltas would arrive."""
+    while True:
+        fake.tick()
+        await asyncio.sleep(0)
 
 
 def gen(rid: str, text: str = "x") -> pb.GenerateStreamRequest:
@@ -46,20 +77,19 @@ async def instructions(*msgs: pb.GenerateStreamRequest, hold: asyncio.Event | No
         await hold.wait()  # keep the client's side open
 
 
-async def drain(session: GenerateSession, handler: Handler) -> list[pb.GenerateStreamResponse]:
-    out = []
-    async for batch in session.batches():
-        out.append(batch)
-        handler.tick.set()  # let every generation make its next step after each write
-    return out
+async def drain(session: GenerateSession, fake: Fake) -> list[pb.GenerateStreamResponse]:
+    steps = asyncio.ensure_future(engine(fake))
+    try:
+        return [batch async for batch in session.batches()]
+    finally:
+        steps.cancel()
 
 
 async def test_outputs_of_many_generations_share_messages_and_end_with_a_status() -> None:
-    handler = Handler()
-    session = GenerateSession(handler)
+    fake = Fake()
+    session = GenerateSession(fake)
     feed = asyncio.ensure_future(session.feed(instructions(gen("a"), gen("b"), gen("c"))))
-    handler.tick.set()
-    batches = await drain(session, handler)
+    batches = await drain(session, fake)
     await feed
     per_rid: dict[str, str] = {}
     for b in batches:
@@ -76,13 +106,12 @@ async def test_outputs_of_many_generations_share_messages_and_end_with_a_status(
 
 
 async def test_errors_are_per_generation_statuses() -> None:
-    handler = Handler()
-    session = GenerateSession(handler)
+    fake = Fake()
+    session = GenerateSession(fake)
     feed = asyncio.ensure_future(session.feed(instructions(
         gen("ok"), gen("bad", "bad"), gen("boom", "boom"), gen(""), gen("ok"),
         pb.GenerateStreamRequest())))
-    handler.tick.set()
-    batches = await drain(session, handler)
+    batches = await drain(session, fake)
     await feed
     statuses = {(s.rid, s.code): s.message for b in batches for s in b.statuses}
     assert statuses[("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0])].startswith("sampling_params.temperature:")
@@ -91,14 +120,15 @@ async def test_errors_are_per_generation_statuses() -> None:
     assert ("ok", grpc.StatusCode.ALREADY_EXISTS.value[0]) in statuses  # the second "ok" while the first runs
     assert ("ok", 0) in statuses
     assert "".join(o.text for b in batches for o in b.outputs if o.rid == "ok") == "012"
+    assert sorted(fake.released) == ["boom", "ok"] and not fake.live  # "bad" never started
 
 
 async def test_cancel_closes_the_generation_and_sends_nothing_more() -> None:
-    handler = Handler(steps=1000)
+    fake = Fake(steps=1000)
     hold = asyncio.Event()
-    session = GenerateSession(handler)
+    session = GenerateSession(fake)
     feed = asyncio.ensure_future(session.feed(instructions(gen("a"), gen("b"), hold=hold)))
-    handler.tick.set()
+    steps = asyncio.ensure_future(engine(fake))
     seen: list[pb.GenerateStreamResponse] = []
     async for batch in session.batches():
         seen.append(batch)
@@ -106,23 +136,35 @@ async def test_cancel_closes_the_generation_and_sends_nothing_more() -> None:
             session.cancel("a")
             session.cancel("b")
             hold.set()
+    steps.cancel()
     await feed
-    await asyncio.sleep(0)
-    assert sorted(handler.closed) == ["a", "b"]  # the handlers' cleanup ran (the tokenizer aborts there)
-    assert not any(b.statuses for b in seen) and not session.tasks
+    assert sorted(fake.released) == ["a", "b"]  # released: the tokenizer aborts them at the scheduler
+    assert not any(b.statuses for b in seen) and not session.running and not session.starting
+
+
+async def test_cancel_during_intake_releases_the_generation_once_started() -> None:
+    fake = Fake()
+    session = GenerateSession(fake)
+    session.start(pb.GenerateRequest(rid="a", text="x"))
+    session.cancel("a")  # before its intake ran at all: nothing to release
+    session.start(pb.GenerateRequest(rid="b", text="x"))
+    await asyncio.sleep(0)  # b's intake is now waiting on the scheduler link
+    session.cancel("b")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert fake.released == [] and not fake.live and not session.starting
 
 
 async def test_draining_refuses_new_generations_and_ends_when_idle() -> None:
-    handler = Handler()
+    fake = Fake()
     stopping = asyncio.Event()
     hold = asyncio.Event()  # the client never half-closes: drain alone must end the stream
-    session = GenerateSession(handler, stopping)
+    session = GenerateSession(fake, stopping)
     feed = asyncio.ensure_future(session.feed(instructions(gen("a"), hold=hold)))
     await asyncio.sleep(0)
     stopping.set()
     session.start(pb.GenerateRequest(rid="late", text="x"))
-    handler.tick.set()
-    batches = await asyncio.wait_for(drain(session, handler), 5)
+    batches = await asyncio.wait_for(drain(session, fake), 5)
     statuses = {s.rid: s.code for b in batches for s in b.statuses}
     assert statuses == {"a": 0, "late": grpc.StatusCode.UNAVAILABLE.value[0]}
     feed.cancel()
@@ -130,14 +172,21 @@ async def test_draining_refuses_new_generations_and_ends_when_idle() -> None:
 
 
 async def test_the_outbox_is_bounded_and_close_stops_everything() -> None:
-    handler = Handler(steps=100)
-    handler.tick.set()
-    session = GenerateSession(handler, limit=4)
-    for rid in "abc":
+    fake = Fake(steps=5)
+    session = GenerateSession(fake, limit=4)
+    for rid in "abcdef":
         session.start(pb.GenerateRequest(rid=rid, text="x"))
-    for _ in range(50):
+    for _ in range(3):
         await asyncio.sleep(0)
-        assert len(session.outputs) + len(session.statuses) <= 4  # nobody reads: producers wait
+    fake.tick()
+    fake.tick()  # two steps while nobody reads: they wait in the calls, merged
+    batches = session.batches()
+    first = await anext(batches)
+    assert len(first.outputs) == 4 and {o.text for o in first.outputs} == {"01"}
+    second = await anext(batches)  # the two that did not fit come next, nothing lost
+    assert len(second.outputs) == 2 and {o.text for o in second.outputs} == {"01"}
+    assert {o.rid for o in [*first.outputs, *second.outputs]} == set("abcdef")
+    await batches.aclose()
     await session.close()
-    assert sorted(handler.closed) == ["a", "b", "c"] and not session.tasks
+    assert sorted(fake.released) == list("abcdef") and not session.running
 
