@@ -25,6 +25,7 @@ class DecodeParamsOut:
 
 @dataclass
 class TimingsOut:
+    to_scheduler_s: float
     queue_s: float
     prefill_s: float
     decode_s: float
@@ -81,6 +82,7 @@ def make_output(req: Req, full: bool = False) -> ReqOutput:
         req.params_sent = True
     if req.finished_reason is not None:
         t = req.timings
-        out.timings = TimingsOut(queue_s=t.queue_s, prefill_s=t.prefill_s, decode_s=t.decode_s)
+        out.timings = TimingsOut(to_scheduler_s=t.to_scheduler_s, queue_s=t.queue_s, prefill_s=t.prefill_s,
+                                 decode_s=t.decode_s)
     req.sent_offset = len(req.output_ids)
     return out

@@ -23,9 +23,15 @@ class ReqTimings:
 
     arrival: float = 0.0              # time.monotonic() at submit
     sent_at: float = 0.0              # unix time the tokenizer sent it (0 if unknown)
+    arrived_at: float = 0.0           # unix time it arrived here (the hop's other end)
     first_scheduled: float = 0.0      # first prefill chunk started
     prefill_s: float = 0.0            # summed prefill forward time attributed to it
     last_token: float = 0.0           # last token sampled
+
+    @property
+    def to_scheduler_s(self) -> float:
+        """The tokenizer -> scheduler hop (wall clocks: on two hosts it includes their skew)."""
+        return max(0.0, self.arrived_at - self.sent_at) if self.sent_at and self.arrived_at else 0.0
 
     @property
     def queue_s(self) -> float:

@@ -35,7 +35,7 @@ def req_from_pb(pb: scheduler_pb2.TokenizedRequest, owner: str) -> Req:
     return Req(rid=pb.rid, owner=pb.owner or owner, origin_input_ids=list(pb.input_ids),
                params=SamplingParams.from_pb(pb.sampling_params), stream=pb.stream,
                return_logprob=pb.return_logprob, top_logprobs_num=pb.top_logprobs_num,
-               timings=ReqTimings(arrival=time.monotonic(), sent_at=pb.sent_at))
+               timings=ReqTimings(arrival=time.monotonic(), sent_at=pb.sent_at, arrived_at=time.time()))
 
 
 def output_to_pb(o: ReqOutput) -> detokenizer_pb2.TokenDelta:
@@ -55,8 +55,9 @@ def output_to_pb(o: ReqOutput) -> detokenizer_pb2.TokenDelta:
     if o.finish is not None:
         d.finish.CopyFrom(finish_to_pb(o.finish))
     if o.timings is not None:
-        d.timings.CopyFrom(common_pb2.Timings(queue_s=o.timings.queue_s, prefill_s=o.timings.prefill_s,
-                                              decode_s=o.timings.decode_s))
+        t = o.timings
+        d.timings.CopyFrom(common_pb2.Timings(to_scheduler_s=t.to_scheduler_s, queue_s=t.queue_s,
+                                              prefill_s=t.prefill_s, decode_s=t.decode_s))
     return d
 
 

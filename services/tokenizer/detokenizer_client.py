@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -46,7 +47,7 @@ def delta_from_pb(pb: detokenizer_pb2.TextDelta) -> TextDeltaIn:
 
 
 class DetokenizerSubscriber:
-    def __init__(self, addresses: list[str], owner: str, on_deltas: Callable[[list[TextDeltaIn]], None],
+    def __init__(self, addresses: list[str], owner: str, on_deltas: Callable[[list[TextDeltaIn], float], None],
                  on_change: Callable[[], None], on_grace_expired: Callable[[], None], grace_s: float) -> None:
         self.owner = owner
         self.on_deltas = on_deltas
@@ -113,6 +114,8 @@ class DetokenizerSubscriber:
             self._set_up(address, True)
             while (resp := await call.read()) is not grpc.aio.EOF:
                 if resp.deltas:
-                    self.on_deltas([delta_from_pb(d) for d in resp.deltas])
+                    # The step's scheduler -> detokenizer -> here hops (wall clocks, as sent_at is).
+                    hops = max(0.0, time.time() - resp.step_sent_at) if resp.step_sent_at else 0.0
+                    self.on_deltas([delta_from_pb(d) for d in resp.deltas], hops)
         finally:
             call.cancel()

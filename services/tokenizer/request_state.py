@@ -59,6 +59,7 @@ class ReqState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     timings: dict[str, float] | None = None
+    ring_hops_s: float = 0.0  # scheduler -> detokenizer -> tokenizer, summed over its messages
     first_token_at: float | None = None
     last_token_at: float | None = None
 

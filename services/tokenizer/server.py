@@ -73,8 +73,8 @@ class TokenizerServer:
     def _on_scheduler_down(self, address: str) -> None:
         self.manager.on_scheduler_down(address)
 
-    def _on_deltas(self, deltas: list) -> None:  # list[TextDeltaIn]
-        self.manager.on_deltas(deltas)
+    def _on_deltas(self, deltas: list, hops_s: float) -> None:  # list[TextDeltaIn]
+        self.manager.on_deltas(deltas, hops_s)
 
     def _on_detokenizer_gone(self) -> None:
         self.manager.fail_all(Unavailable(f"detokenizer unavailable for more than {self.cfg.detokenizer_grace_s:.0f}s"))

@@ -187,6 +187,7 @@ class TokenizerManager:
             if req.return_timings:
                 timings = dict(s.timings or {})
                 timings["tokenize_s"] = tokenize_s
+                timings["ring_hops_s"] = s.ring_hops_s
                 if s.first_token_at is not None:
                     timings["ttft_s"] = s.first_token_at - arrived
                 timings["e2e_s"] = out.e2e_latency
@@ -245,13 +246,15 @@ class TokenizerManager:
 
     # ---- events from the ring --------------------------------------------------------------
 
-    def on_deltas(self, deltas: list[TextDeltaIn]) -> None:
+    def on_deltas(self, deltas: list[TextDeltaIn], hops_s: float = 0.0) -> None:
+        """One detokenizer message; `hops_s`: how long its step took from the scheduler to here."""
         now = time.monotonic()
         for d in deltas:
             s = self.rid_to_state.get(d.rid)
             if s is None:
                 self.ignored_deltas += 1
                 continue
+            s.ring_hops_s += hops_s
             first, last = s.first_token_at, s.last_token_at
             new_ids = s.apply(d, now)
             if new_ids:

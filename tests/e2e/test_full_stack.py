@@ -16,7 +16,7 @@ from ringserve.text_tokenizer import TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 from tests.e2e.grpc_client import server_info
 from tests.e2e.reference import PROMPTS, greedy_body, greedy_reference
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack, running_stack, sse_events
 
 pytestmark = pytest.mark.e2e
 
@@ -173,3 +173,22 @@ def test_every_service_exports_moving_metrics(stack: Stack) -> None:
     for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
                  "sglang:cache_hit_rate", "sglang:max_total_num_tokens", "sglang:gen_throughput"):
         assert name in after["scheduler"], name
+
+
+def test_timings_cover_every_boundary_and_hop(stack: Stack) -> None:
+    """return_timings: each service's share of a request, the two gRPC hops included."""
+    for stream in (False, True):
+        body = {"text": "Hello there", "stream": stream, "return_timings": True,
+                "sampling_params": {"max_new_tokens": 6, "min_new_tokens": 6}}
+        if stream:
+            with httpx.stream("POST", f"{stack.gateway_url}/generate", json=body, timeout=60) as r:
+                events = [e for e in sse_events(r) if isinstance(e, dict)]
+            meta = events[-1]["meta_info"]
+        else:
+            meta = stack.generate(body)["meta_info"]
+        t = meta["timings"]
+        for name in ("tokenize_s", "to_scheduler_s", "prefill_s", "decode_s", "ring_hops_s", "detokenize_s",
+                     "ttft_s", "e2e_s"):
+            assert t.get(name, 0) > 0, (stream, name, t)
+        assert t["to_scheduler_s"] < t["ttft_s"] < t["e2e_s"]
+        assert t["prefill_s"] <= t["decode_s"] and t.get("queue_s", 0) + t["decode_s"] < t["e2e_s"]
