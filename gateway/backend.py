@@ -56,16 +56,14 @@ class Backend:
             log.info("%s opened to %s", mux.name, self.target)
         return mux
 
-    async def generate(self, req: pb.GenerateRequest,
-                       param_map: dict[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream the tokenizer's messages; a failed call raises GatewayError (mapped status)."""
-        # The stream is picked at the first read, not when the route builds this generator.
-        stream = self._mux().generate(req, param_map) if self._muxes else self._generate_call(req, param_map)
-        try:
-            async for msg in stream:
-                yield msg
-        finally:
-            await stream.aclose()
+    def generate(self, req: pb.GenerateRequest,
+                 param_map: dict[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """The tokenizer's messages for req, as an async generator that sends nothing before its first
+        read; closing it early cancels the request. A failed call raises GatewayError (mapped status)."""
+        # Returned as is, not wrapped: every layer costs a resume per streamed chunk.
+        if not self._muxes:
+            return self._generate_call(req, param_map)
+        return self._mux().generate(req, param_map)
 
     async def _generate_call(self, req: pb.GenerateRequest,
                              param_map: dict[str, str] | None = None) -> AsyncIterator[pb.GenerateResponse]:
