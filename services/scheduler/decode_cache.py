@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.cpu_kernels import SharedKV
-from services.scheduler.memory_pool import TokenToKVPool
+from services.scheduler.memory_pool import TokenToKVPool, doubled
 from services.scheduler.shared_prefix import MIN_SHARED, SharedPrefixes
 
 
@@ -102,12 +102,7 @@ class DenseDecodeCache:
         b_cap, l_cap = self._capacity()
         if batch_size <= b_cap and kv_len <= l_cap:
             return True
-        new_b = max(b_cap, 8)
-        while new_b < batch_size:
-            new_b *= 2
-        new_l = max(l_cap, 64)
-        while new_l < kv_len:
-            new_l *= 2
+        new_b, new_l = doubled(b_cap, batch_size, 8), doubled(l_cap, kv_len, 64)
         # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
         # (measured: 1.4 against 1.17 ms per layer at L=600).
         new_l = min(new_l, max(self.max_context_len, kv_len)) + 16

@@ -15,6 +15,15 @@ from __future__ import annotations
 import torch
 
 
+
+def doubled(cap: int, need: int, floor: int) -> int:
+    """A buffer dimension grown by doubling from max(cap, floor) until it holds `need`."""
+    new = max(cap, floor)
+    while new < need:
+        new *= 2
+    return new
+
+
 class ReqToTokenPool:
     """Rows of KV slot indices, one per running request."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from services.scheduler.memory_pool import TokenToKVPool
+from services.scheduler.memory_pool import TokenToKVPool, doubled
 
 MIN_SHARED = 64  # shorter common prefixes are copied into each row as before
 
@@ -77,13 +77,7 @@ class SharedPrefixes:
         e_cap, p_cap = (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
         if entries <= e_cap and length <= p_cap:
             return True
-        new_e = max(e_cap, 4)
-        while new_e < entries:
-            new_e *= 2
-        new_p = max(p_cap, 64)
-        while new_p < length:
-            new_p *= 2
-        new_p += 16  # off a power-of-two stride, as the rows (decode_cache.py)
+        new_e, new_p = doubled(e_cap, entries, 4), doubled(p_cap, length, 64) + 16  # off a power-of-two stride, as the rows (decode_cache.py)
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
         if 2 * self.num_layers * new_e * heads * new_p * dim * pool.k_buffer[0].element_size() > self.max_bytes:
