@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 
-
 def doubled(cap: int, need: int, floor: int) -> int:
     """A buffer dimension grown by doubling from max(cap, floor) until it holds `need`."""
     new = max(cap, floor)
