@@ -67,7 +67,7 @@ class TorchSDPABackend:
         self.native = native  # CPU float32: the C kernels (decode over the dense cache, and prefill)
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
-                                       self.req_to_token.shape[1], share_prefixes=native is not None)
+                                       self.req_to_token.shape[1], native=native is not None)
                       if self.device.type == "cpu" else None)
 
     # ---- per forward pass ----

@@ -16,7 +16,7 @@ slowly, so this cache keeps each running request's K/V in a dense row that persi
 The pool stays the source of truth; this is a cache that can be dropped at any time (`reset`), and
 it declines (returns None) when its buffers would exceed `max_bytes`.
 
-With `share_prefixes` (the C decode kernel reads it), a request joining the batch whose first slots
+With `native` (the C decode kernel reads the rows), a request joining the batch whose first slots
 are another running request's (a prefix shared through the radix cache) gets that prefix from one
 shared copy (shared_prefix.py); its row holds only the positions after it, from index 0.
 """
@@ -47,7 +47,7 @@ class DecodeRows:
 
 class DenseDecodeCache:
     def __init__(self, kv_pool: TokenToKVPool, req_to_token: torch.Tensor, num_layers: int,
-                 max_context_len: int, max_bytes: int = 1 << 30, share_prefixes: bool = False) -> None:
+                 max_context_len: int, max_bytes: int = 1 << 30, native: bool = False) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.num_layers = num_layers
@@ -59,15 +59,18 @@ class DenseDecodeCache:
         # against 0.87 ms per layer at B=64, L=320 on one core; the C kernel vectorizes over positions).
         self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
         self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
-        self.shared = SharedPrefixes(kv_pool, num_layers, max_bytes // 4) if share_prefixes else None
+        self.native = native
+        self.shared = SharedPrefixes(kv_pool, num_layers, max_bytes // 4) if native else None
         self.entry_at: list[int] = []     # dense row -> its shared prefix entry (-1: none)
         self.plen_at: list[int] = []      # dense row -> that prefix's length (its row starts after it)
+        self.len_at: list[int] = []       # dense row -> positions written in it (after the prefix)
 
     def reset(self) -> None:
         self.row_of.clear()
         self.req_at.clear()
         self.entry_at.clear()
         self.plen_at.clear()
+        self.len_at.clear()
         self.k, self.v = [], []
         if self.shared is not None:
             self.shared.reset()
@@ -83,16 +86,19 @@ class DenseDecodeCache:
             assert self.shared is not None
             self.shared.release(self.entry_at[row])
         last = len(self.req_at) - 1
-        if row != last:  # move the last row into the hole
-            moved = self.req_at[last]
-            for buf in (*self.k, *self.v):
-                buf[row].copy_(buf[last])
+        if row != last:  # move the last row into the hole: its written positions, not its whole capacity
+            moved, n = self.req_at[last], self.len_at[last]
+            for k, v in zip(self.k, self.v):
+                k[row, :, :, :n].copy_(k[last, :, :, :n])
+                v[row, :, :n].copy_(v[last, :, :n])
             self.req_at[row] = moved
-            self.entry_at[row], self.plen_at[row] = self.entry_at[last], self.plen_at[last]
+            self.entry_at[row], self.plen_at[row], self.len_at[row] = (
+                self.entry_at[last], self.plen_at[last], self.len_at[last])
             self.row_of[moved] = row
         self.req_at.pop()
         self.entry_at.pop()
         self.plen_at.pop()
+        self.len_at.pop()
 
     def _capacity(self) -> tuple[int, int]:
         return (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
@@ -112,10 +118,14 @@ class DenseDecodeCache:
         if 2 * self.num_layers * new_b * heads * new_l * dim * elem > self.max_bytes:
             return False
         used = len(self.req_at)
+        # The C kernel reads no position past a row's length, so its buffers need no zeroing: growing
+        # them then costs only the pages really written (zeroing 64 rows x 1072 positions, 280 MB,
+        # took 120 ms of one decode step). The torch path masks scores, and 0 x NaN would still be NaN.
+        new = torch.empty if self.native else torch.zeros
         grown_k, grown_v = [], []
         for layer in range(self.num_layers):
-            k = torch.zeros(new_b, heads, dim, new_l, dtype=pool.dtype, device=pool.device)
-            v = torch.zeros(new_b, heads, new_l, dim, dtype=pool.dtype, device=pool.device)
+            k = new(new_b, heads, dim, new_l, dtype=pool.dtype, device=pool.device)
+            v = new(new_b, heads, new_l, dim, dtype=pool.dtype, device=pool.device)
             if self.k:
                 k[:used, :, :, :l_cap].copy_(self.k[layer][:used])
                 v[:used, :, :l_cap].copy_(self.v[layer][:used])
@@ -181,7 +191,9 @@ class DenseDecodeCache:
                 entry, plen = joining[idx]
                 self.entry_at.append(entry)
                 self.plen_at.append(plen)
+                self.len_at.append(0)
                 self._fill(row, idx, plen, seq_len - 1)  # the newest token is written by this forward
+            self.len_at[row] = seq_len - self.plen_at[row]
             rows.append(row)
         rows_t = torch.tensor(rows, dtype=torch.int64)
         inv = torch.empty_like(rows_t)

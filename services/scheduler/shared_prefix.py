@@ -84,8 +84,9 @@ class SharedPrefixes:
             return False
         k_new, v_new = [], []
         for layer in range(self.num_layers):
-            k = torch.zeros(new_e, heads, dim, new_p, dtype=pool.dtype, device=pool.device)
-            v = torch.zeros(new_e, heads, new_p, dim, dtype=pool.dtype, device=pool.device)
+            # Only the C kernel reads these, never past a prefix's length: no zeroing (decode_cache.py).
+            k = torch.empty(new_e, heads, dim, new_p, dtype=pool.dtype, device=pool.device)
+            v = torch.empty(new_e, heads, new_p, dim, dtype=pool.dtype, device=pool.device)
             if self.v:
                 k[:e_cap, :, :, :p_cap].copy_(self.k[layer])
                 v[:e_cap, :, :p_cap].copy_(self.v[layer])
