@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
-import services.scheduler  # noqa: F401 - first: its torch allocator setting, as in the scheduler's process
 from bench import step_profile
 from bench.model_info import vocab
 from bench.stats import RequestRecord, StreamTimer
