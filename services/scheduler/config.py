@@ -25,9 +25,13 @@ class EngineConfig:
     mem_fraction: float = field(default=0.85, metadata=_h("share of free GPU memory for the KV pool"))
     max_running_requests: int = field(default=256, metadata=_h("most requests in the running batch"))
     max_prefill_tokens: int = field(default=16384, metadata=_h("most prompt tokens in one prefill batch"))
-    chunked_prefill_size: int = field(default=4096, metadata=_h("prefill chunk size; 0 disables chunking"))
+    chunked_prefill_size: int | None = field(default=None, metadata=_h(
+        "prefill chunk size; 0 disables chunking (default: 2048 on CPU, 8192 on CUDA)"))
     enable_mixed_chunk: bool = field(default=False, metadata=_h(
         "run the running requests' decode step inside each prefill step instead of stalling them"))
+    disable_decode_interleave: bool = field(default=False, metadata=_h(
+        "run waiting prefills back to back while the running requests wait (SGLang's order); by default "
+        "a decode step for the running requests follows every prefill step"))
     schedule_policy: str = field(default="fcfs", metadata=_h("fcfs or lpm (longest prefix match first)"))
     max_queued_requests: int = field(default=4096, metadata=_h("most waiting requests before intake refuses"))
     context_length: int | None = field(default=None, metadata=_h("override the model's context length"))
@@ -60,7 +64,7 @@ class EngineConfig:
         for name in ("num_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
-        if self.chunked_prefill_size < 0:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
             raise ValueError("chunked_prefill_size: must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens: must be >= 2")

@@ -24,6 +24,7 @@ from services.scheduler.outputs import GenerationResult, ReqOutput, make_output
 from services.scheduler.radix_cache import RadixCache
 from services.scheduler.req import Req
 from services.scheduler.sampling import SamplingParams
+from services.scheduler.schedule_policy import default_chunk_size
 from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,15 @@ class Engine:
         self.tree = RadixCache(self.runner.token_to_kv_pool, self.runner.device, disable=cfg.disable_radix_cache)
         self.kv = KVManager(self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.tree)
         self.max_total_num_tokens = self.runner.max_total_num_tokens
+        self.chunked_prefill_size = default_chunk_size(cfg.chunked_prefill_size, self.runner.device)
         finisher = FinishChecker(self.tokenizer, self.runner.eos_token_ids, self.runner.context_length)
         self.grammar = build_grammar(cfg, self.runner, prefetch, on_ready=self.wake, metrics=grammar_metrics)
         self.scheduler = Scheduler(
             self.runner, self.kv, finisher, schedule_policy=cfg.schedule_policy,
             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
-            chunked_prefill_size=cfg.chunked_prefill_size, stream_interval=cfg.stream_interval,
-            grammar=self.grammar, mixed_chunk=cfg.enable_mixed_chunk)
+            chunked_prefill_size=self.chunked_prefill_size, stream_interval=cfg.stream_interval,
+            grammar=self.grammar, mixed_chunk=cfg.enable_mixed_chunk,
+            decode_interleave=not cfg.disable_decode_interleave)
         self._lock = threading.Lock()          # serializes step / flush / resync
         self._intake_lock = threading.Condition()
         # Intake events in arrival order: ("req", Req) | ("abort", rid) | ("owner", owner).

@@ -26,10 +26,21 @@ RESERVE_CLIP = 4096       # cap on one request's reserved future tokens
 # (SGLang's in-batch prefix caching check).
 IN_BATCH_PREFIX_MIN = 32
 
+# --chunked-prefill-size when not given. On CPU, 2048 tokens (the per-step token budget vLLM's CPU
+# backend uses): with a decode step after each prefill step, a burst's first tokens come out chunk
+# by chunk instead of after the whole burst. A GPU's prefill is cheap per token; bigger chunks fill it.
+CPU_CHUNK, CUDA_CHUNK = 2048, 8192
+
 # SGLang's defaults for the estimate of how many of max_new_tokens a request will really use.
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+
+
+def default_chunk_size(configured: int | None, device: torch.device) -> int:
+    if configured is not None:
+        return configured
+    return CUDA_CHUNK if device.type == "cuda" else CPU_CHUNK
 
 
 def order_waiting(waiting: deque[Req], policy: str, kv: KVManager) -> None:

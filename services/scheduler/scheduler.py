@@ -3,6 +3,9 @@
 `step()` is the whole loop body: schedule a prefill within the budgets (the running requests decode
 in it with mixed_chunk, mixed.py), else decode every running request (retracting some if the KV pool
 is short); run the forward; sample; append tokens, decide finishes, release KV; return what to emit.
+With decode_interleave a decode step follows every prefill step while requests run, so a burst of
+prompts does not stall them for the whole burst, and each chunk's requests start decoding (and later
+finish) at once instead of all together: their successors then arrive spread out, not as another burst.
 Constrained requests (json_schema / regex / ebnf) join `waiting` only once their grammar compiled
 (grammar_glue.py); their logits rows are masked before sampling. Not thread-safe: the Engine
 serializes calls.
@@ -47,7 +50,8 @@ class Batch:
 class Scheduler:
     def __init__(self, runner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
                  max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int,
-                 stream_interval: int = 1, grammar: GrammarGlue | None = None, mixed_chunk: bool = False) -> None:
+                 stream_interval: int = 1, grammar: GrammarGlue | None = None, mixed_chunk: bool = False,
+                 decode_interleave: bool = True) -> None:
         self.runner = runner
         self.kv = kv
         self.finisher = finisher
@@ -57,6 +61,8 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.stream_interval = stream_interval
         self.mixed_chunk = mixed_chunk
+        self.decode_interleave = decode_interleave and not mixed_chunk  # mixed: they decode in the prefill
+        self._decode_next = False   # the last step was a prefill: the running requests' turn
         self.device = runner.device
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -76,7 +82,11 @@ class Scheduler:
                 self.finish(req, failed)
             else:
                 self.waiting.append(req)
-        batch = self.schedule_prefill() or self.schedule_decode()
+        if self._decode_next and self.running:
+            batch = self.schedule_decode() or self.schedule_prefill()
+        else:
+            batch = self.schedule_prefill() or self.schedule_decode()
+        self._decode_next = self.decode_interleave and batch is not None and batch.is_prefill
         if batch is not None:
             t0 = time.monotonic()
             logits = self.runner.forward(batch.forward)  # [B, V]

@@ -203,3 +203,31 @@ def test_step_profile_counts_steps_time_and_decode_rows(engine: Engine) -> None:
     load = engine.load()
     assert (load.prefill_steps, load.decode_steps, load.decode_rows) == (st.prefill_steps, st.decode_steps,
                                                                          st.decode_rows)
+
+
+def test_a_decode_step_follows_each_prefill_step_while_requests_run(model_dir: str) -> None:
+    def run(interleave: bool) -> tuple[str, dict[str, list[int]]]:
+        e = Engine(EngineConfig(model=model_dir, device="cpu", max_total_tokens=2000, chunked_prefill_size=32,
+                                disable_decode_interleave=not interleave))
+        params = greedy(max_new_tokens=12, ignore_eos=True)
+        e.submit(Req(rid="r0", origin_input_ids=rand_ids(20, 60), params=params))
+        kinds, outs = "", {}
+
+        def step() -> None:
+            nonlocal kinds
+            before = e.scheduler.stats.prefill_steps
+            for o in e.step():
+                outs.setdefault(o.rid, []).extend(o.ids)
+            kinds += "P" if e.scheduler.stats.prefill_steps > before else "D"
+        step()
+        for i in range(3):  # 90 prompt tokens: three 32-token chunks
+            e.submit(Req(rid=f"r{i + 1}", origin_input_ids=rand_ids(30, 61 + i), params=params))
+        while e.has_work():
+            step()
+        return kinds, outs
+
+    kinds, outs = run(True)
+    assert kinds.startswith("PDPDPDPD") and kinds.count("P") == 4
+    kinds_off, outs_off = run(False)
+    assert kinds_off.startswith("PPPPD") and kinds_off.count("P") == 4
+    assert outs == outs_off and all(len(ids) == 12 for ids in outs.values())
