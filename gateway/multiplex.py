@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway.errors import from_status, status_from_int
+from gateway.streams import append_output
 from ringserve.v1 import api_pb2 as pb
 from ringserve.v1 import api_pb2_grpc
 
@@ -43,12 +44,7 @@ class Inbox:
         if into is None:
             self.pending[msg.index] = msg
         else:
-            into.text += msg.text
-            into.output_ids.extend(msg.output_ids)
-            into.logprobs.extend(msg.logprobs)
-            if msg.HasField("meta_info"):
-                into.meta_info.CopyFrom(msg.meta_info)
-            into.finished = into.finished or msg.finished
+            append_output(into, msg)
         self.event.set()
 
     def end(self, code: grpc.StatusCode, message: str) -> None:

@@ -70,7 +70,7 @@ def _items(body: GenerateReqInput) -> tuple[list[_Item], bool]:
 
 
 def _output(item: _Item, sample: Sample, index: int | None) -> dict[str, Any]:
-    m = sample.meta
+    m = sample.meta_info
     meta: dict[str, Any] = {
         "id": m.id or item.req.rid, "finish_reason": native_finish_reason(m.finish_reason, m.completion_tokens),
         "prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,

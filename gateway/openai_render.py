@@ -75,7 +75,7 @@ def render_full(spec: RenderSpec, results: list[dict[int, Sample]]) -> Completio
         for j in sorted(samples):
             s = samples[j]
             reason = _finish(spec, s)
-            usage.add(pi, j, s.meta)
+            usage.add(pi, j, s.meta_info)
             index = pi * spec.n + j
             if spec.chat:
                 lp = ChoiceLogprobs(**chat_logprobs(s.logprobs)) if spec.logprobs else None

@@ -28,20 +28,25 @@ class Sample:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    meta: pb.MetaInfo = field(default_factory=pb.MetaInfo)
+    meta_info: pb.MetaInfo = field(default_factory=pb.MetaInfo)
     finished: bool = False
 
     def absorb(self, msg: pb.GenerateResponse) -> None:
-        self.text += msg.text
-        self.output_ids.extend(msg.output_ids)
-        self.logprobs.extend(msg.logprobs)
-        if msg.HasField("meta_info"):
-            self.meta.CopyFrom(msg.meta_info)
-        self.finished = self.finished or msg.finished
+        append_output(self, msg)
 
     @property
     def finish(self) -> common_pb2.FinishReason:
-        return self.meta.finish_reason
+        return self.meta_info.finish_reason
+
+
+def append_output(into: Sample | pb.GenerateResponse, msg: pb.GenerateResponse) -> None:
+    """msg's new text, ids and logprobs after into's; its meta_info (the latest counts) replaces into's."""
+    into.text += msg.text
+    into.output_ids.extend(msg.output_ids)
+    into.logprobs.extend(msg.logprobs)
+    if msg.HasField("meta_info"):
+        into.meta_info.CopyFrom(msg.meta_info)
+    into.finished = into.finished or msg.finished
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
