@@ -131,8 +131,8 @@ def localize_health_cmd(cmd: list[str], svc: LocalService, pm: PortMap) -> list[
     return [LOCAL_ADDR_RE.sub(lambda m: f"127.0.0.1:{pm.local(svc.name, int(m[1]))}", a) for a in argv]
 
 
-def run_health_cmd(argv: list[str]) -> None:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT)
+def run_health_cmd(argv: list[str], env: dict[str, str] | None = None) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT, env=env)
     assert r.returncode == 0, f"health check {argv} exited {r.returncode}:\n{r.stdout}{r.stderr}"
 
 

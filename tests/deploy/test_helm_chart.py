@@ -139,7 +139,7 @@ def test_components_and_services(case) -> None:
 
 
 def test_named_ports_and_probes_on_every_container(case) -> None:
-    _, _, objs = case
+    _, values, objs = case
     for comp, dep in deployments(objs).items():
         pod = dep["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod["containers"]:
@@ -148,10 +148,12 @@ def test_named_ports_and_probes_on_every_container(case) -> None:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert probe in c, f"{comp}: no {probe}"
                 p = c[probe]
+                grpc_port = next((x["containerPort"] for x in c["ports"] if x["name"] == "grpc"), None)
                 if comp == "gateway":
                     assert p["httpGet"]["port"] == "http"
+                elif values.get("tls", {}).get("enabled"):  # the kubelet's grpc probe cannot speak TLS
+                    assert p["exec"]["command"][:4] == ["python", "-m", "ringserve.probe", f"127.0.0.1:{grpc_port}"]
                 else:  # native gRPC probe on the gRPC port (grpc.port must be a number)
-                    grpc_port = next(x["containerPort"] for x in c["ports"] if x["name"] == "grpc")
                     assert p["grpc"]["port"] == grpc_port
             assert c["readinessProbe"].get("httpGet", {}).get("path", "/health") == "/health"
             assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
@@ -160,6 +162,34 @@ def test_named_ports_and_probes_on_every_container(case) -> None:
     sched = container(deployments(objs)["scheduler"])
     budget = sched["startupProbe"]["periodSeconds"] * sched["startupProbe"]["failureThreshold"]
     assert budget >= 600, "the scheduler needs a long startup budget for model loads"
+
+
+TLS_ENV = {"RINGSERVE_TLS_CERT": "server.crt", "RINGSERVE_TLS_KEY": "server.key", "RINGSERVE_TLS_CA": "ca.crt",
+           "RINGSERVE_TLS_CLIENT_CERT": "client.crt", "RINGSERVE_TLS_CLIENT_KEY": "client.key"}
+
+
+def test_tls_secret_and_env_in_every_pod(case) -> None:
+    _, values, objs = case
+    tls = values.get("tls", {})
+    for comp, dep in deployments(objs).items():
+        pod = dep["spec"]["template"]["spec"]
+        c = container(dep)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        vols = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        if not tls.get("enabled"):
+            assert not any(k.startswith("RINGSERVE_TLS_") for k in env) and "tls" not in vols, comp
+            continue
+        assert vols["tls"]["secret"]["secretName"] == tls["secretName"], comp
+        assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/ringserve/tls", "readOnly": True}, comp
+        for var, file in TLS_ENV.items():
+            assert env[var] == f"/etc/ringserve/tls/{file}", (comp, var)
+        assert env.get("RINGSERVE_TLS_SERVER_NAME") == (tls.get("serverName") or None), comp
+
+
+def test_tls_needs_a_secret() -> None:
+    with pytest.raises(Exception, match="secretName"):
+        render({"tls": {"enabled": True}})
 
 
 def test_gpu_request_on_scheduler_only(case) -> None:

@@ -1,9 +1,13 @@
 """The Helm containers' commands are real: render the chart (CPU mode), run each Deployment's
 container command + args + env as a local process (Services -> 127.0.0.1, container ports -> free
-ports), gate each on readiness and on its own startup/readiness/liveness probes; then generate."""
+ports), gate each on readiness and on its own startup/readiness/liveness probes; then generate.
+With tls.enabled the Secret's mount path points at a throwaway CA's files and the probes are the
+chart's exec probes."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import urllib.request
 from pathlib import Path
@@ -19,20 +23,30 @@ helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (r
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ("detokenizer", "scheduler", "tokenizer", "gateway")  # readiness order (docs/deployment.md)
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+CPU = {"scheduler": {"device": "cpu"}}
+TLS_MOUNT = "/etc/ringserve/tls"
 
 
-def rendered_objects() -> list[dict]:
+def rendered_objects(values: dict) -> list[dict]:
     with helm.Chart.load(ROOT / "k8s" / "ringserve") as chart:
-        out = chart.render(values={"scheduler": {"device": "cpu"}}, name="rs", namespace="llm")
+        out = chart.render(values=values, name="rs", namespace="llm")
     return [d for path, text in out.items() if not path.endswith("NOTES.txt")
             for d in yaml.safe_load_all(text) if d]
 
 
-def run_probe(probe: dict, container: dict, name: str, pm: PortMap) -> None:
-    """What the kubelet does, against the local ports: gRPC health via the project's probe, or GET."""
+def run_probe(probe: dict, container: dict, name: str, pm: PortMap, env: dict[str, str]) -> None:
+    """What the kubelet does, against the local ports: gRPC health via the project's probe (the
+    kubelet's own, or the chart's exec probe with the container's env), or GET."""
     if "grpc" in probe:
         local = pm.local(name, probe["grpc"]["port"])
         run_health_cmd([sys.executable, "-m", "ringserve.probe", f"127.0.0.1:{local}"])
+    elif "exec" in probe:
+        cmd = probe["exec"]["command"]
+        assert cmd[:3] == ["python", "-m", "ringserve.probe"], cmd
+        host, port = cmd[3].split(":")
+        assert host == "127.0.0.1", cmd
+        run_health_cmd([sys.executable, *cmd[1:3], f"127.0.0.1:{pm.local(name, int(port))}", *cmd[4:]],
+                       env={**os.environ, **env})
     else:
         get = probe["httpGet"]
         port = get["port"]
@@ -43,8 +57,9 @@ def run_probe(probe: dict, container: dict, name: str, pm: PortMap) -> None:
             assert 200 <= resp.status < 400, f"{name} {url}: {resp.status}"
 
 
-def local_services() -> tuple[list[LocalService], PortMap]:
-    objs = rendered_objects()
+def local_services(values: dict = CPU, tls_dir: Path | None = None) -> tuple[list[LocalService], PortMap]:
+    """tls_dir: where the TLS Secret's files are here (its mount path in the env is mapped to it)."""
+    objs = rendered_objects(values)
     deps = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in objs if d["kind"] == "Deployment"}
     assert set(deps) == set(ORDER)
     pm = PortMap()
@@ -64,11 +79,13 @@ def local_services() -> tuple[list[LocalService], PortMap]:
     for name in ORDER:
         c = containers[name]
         env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}  # secretKeyRef: not here
+        if tls_dir is not None:
+            env = {k: v.replace(TLS_MOUNT, str(tls_dir)) for k, v in env.items()}
         serve = next(p["containerPort"] for p in c["ports"] if p["name"] in ("grpc", "http"))
 
-        def health(pm: PortMap, c=c, name=name) -> None:
+        def health(pm: PortMap, c=c, name=name, env=env) -> None:
             for probe in PROBES:
-                run_probe(c[probe], c, name, pm)
+                run_probe(c[probe], c, name, pm, env)
 
         out.append(LocalService(name=name, argv=c["command"] + [str(a) for a in c["args"]], env=env,
                                 ports=[p["containerPort"] for p in c["ports"]],
@@ -92,5 +109,29 @@ def test_helm_translation_maps_every_host_and_port(model_dir: str, tmp_path: Pat
 def test_helm_commands_serve_a_request(model_dir: str, tmp_path: Path) -> None:
     skip_unless_services_exist()
     services, pm = local_services()
+    with running(services, pm, model_dir, hf_home_dir(tmp_path)):
+        generate_through_gateway(pm.local("gateway", 30000))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_helm_commands_serve_with_mutual_tls(model_dir: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_unless_services_exist()
+    from tests.security.certs import CA
+
+    ca = CA(tmp_path)
+    secret = tmp_path / "secret"  # the Secret's keys, as the chart mounts them
+    secret.mkdir()
+    shutil.copy(ca.path, secret / "ca.crt")
+    for role, pair in (("server", ca.issue("server", server=True)), ("client", ca.issue("client", server=False))):
+        shutil.copy(pair.cert, secret / f"{role}.crt")
+        shutil.copy(pair.key, secret / f"{role}.key")
+    values = {**CPU, "tls": {"enabled": True, "secretName": "rs-tls", "serverName": "localhost"}}
+    services, pm = local_services(values, secret)
+    assert all(svc.env["RINGSERVE_TLS_CA"] == str(secret / "ca.crt") for svc in services)
+    for var, file in (("CA", "ca.crt"), ("CLIENT_CERT", "client.crt"), ("CLIENT_KEY", "client.key")):
+        monkeypatch.setenv(f"RINGSERVE_TLS_{var}", str(secret / file))  # this test's readiness waits
+    monkeypatch.setenv("RINGSERVE_TLS_SERVER_NAME", "localhost")
     with running(services, pm, model_dir, hf_home_dir(tmp_path)):
         generate_through_gateway(pm.local("gateway", 30000))

@@ -112,6 +112,7 @@ securityContext:
       name: {{ include "ringserve.hfSecretName" . }}
       key: {{ .Values.hfToken.key }}
       optional: true
+{{- include "ringserve.tlsEnv" . }}
 {{- end }}
 
 {{- define "ringserve.volumeMounts" -}}
@@ -119,6 +120,38 @@ securityContext:
   mountPath: /tmp
 - name: model-cache
   mountPath: {{ .Values.modelCache.mountPath }}
+{{- include "ringserve.tlsVolumeMount" . }}
+{{- end }}
+
+{{/* TLS (values.tls): the Secret's files at /etc/ringserve/tls and the RINGSERVE_TLS_* env naming them. */}}
+{{- define "ringserve.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/ringserve/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "ringserve.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "ringserve.tlsEnv" -}}
+{{- if .Values.tls.enabled }}
+{{- range $var, $file := dict "CERT" "server.crt" "KEY" "server.key" "CA" "ca.crt" "CLIENT_CERT" "client.crt" "CLIENT_KEY" "client.key" }}
+- name: RINGSERVE_TLS_{{ $var }}
+  value: /etc/ringserve/tls/{{ $file }}
+{{- end }}
+{{- with .Values.tls.serverName }}
+- name: RINGSERVE_TLS_SERVER_NAME
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "ringserve.volumes" -}}
@@ -133,22 +166,25 @@ securityContext:
   emptyDir:
     sizeLimit: {{ .Values.modelCache.emptyDir.sizeLimit }}
 {{- end }}
+{{- include "ringserve.tlsVolume" . }}
 {{- end }}
 
-{{/* Native gRPC startup/readiness/liveness probes; call with (dict "port" 50052 "spec" .Values.scheduler). */}}
+{{/* gRPC health startup/readiness/liveness probes: the kubelet's native grpc probe, or with TLS on an exec
+probe running the project's own (it reads the RINGSERVE_TLS_* env); call with
+(dict "port" 50052 "spec" .Values.scheduler "tls" .Values.tls.enabled). */}}
 {{- define "ringserve.grpcProbes" -}}
-startupProbe:
+{{- $ctx := . }}
+{{- range $probe := list "startupProbe" "readinessProbe" "livenessProbe" }}
+{{ $probe }}:
+  {{- if $ctx.tls }}
+  exec:
+    command: ["python", "-m", "ringserve.probe", "127.0.0.1:{{ $ctx.port }}", "--timeout", "1"]
+  {{- else }}
   grpc:
-    port: {{ .port }}
-  {{- toYaml .spec.startupProbe | nindent 2 }}
-readinessProbe:
-  grpc:
-    port: {{ .port }}
-  {{- toYaml .spec.readinessProbe | nindent 2 }}
-livenessProbe:
-  grpc:
-    port: {{ .port }}
-  {{- toYaml .spec.livenessProbe | nindent 2 }}
+    port: {{ $ctx.port }}
+  {{- end }}
+  {{- toYaml (get $ctx.spec $probe) | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/* preStop: stay up while the endpoint removal propagates, then SIGTERM drains in-flight work. */}}
