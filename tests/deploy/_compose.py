@@ -1,5 +1,6 @@
-"""Read docker-compose.yml the way `docker compose` does, for the tests: `!reset`, override merge,
-`${VAR:-default}` interpolation, depends_on order."""
+"""Read docker-compose.yml the way `docker compose` does, for the tests: `!reset`, override merge
+(mappings key by key, a service's volumes by mount target), `${VAR:-default}` interpolation,
+depends_on order."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_CPU = ROOT / "docker-compose.cpu.yml"
+COMPOSE_TLS = ROOT / "docker-compose.tls.yml"
 RING = ("detokenizer", "scheduler", "tokenizer", "gateway")
 
 
@@ -34,17 +36,29 @@ def load(path: Path) -> dict[str, Any]:
     return yaml.load(path.read_text(), Loader=ComposeLoader)
 
 
-def merge(base: Any, over: Any) -> Any:
-    """Mappings merge key by key, anything else is replaced, `!reset` removes."""
+def merge(base: Any, over: Any, key: str = "") -> Any:
+    """Mappings merge key by key, volume lists by mount target, anything else is replaced, `!reset` removes."""
     if isinstance(base, dict) and isinstance(over, dict):
         out = dict(base)
         for k, v in over.items():
             if isinstance(v, _Reset):
                 out.pop(k, None)
             else:
-                out[k] = merge(base.get(k), v)
+                out[k] = merge(base.get(k), v, k)
         return out
+    if key == "volumes" and isinstance(base, list) and isinstance(over, list):
+        by_target = {volume_target(v): v for v in base}
+        by_target.update({volume_target(v): v for v in over})
+        return list(by_target.values())
     return over
+
+
+def volume_target(volume: Any) -> str:
+    """The mount path of a volume entry: `target`, or the path in `SOURCE:TARGET[:MODE]` (SOURCE may
+    be an uninterpolated `${VAR:-default}`, so count from the right)."""
+    if isinstance(volume, dict):
+        return volume["target"]
+    return next(p for p in reversed(str(volume).rsplit(":", 2)) if p.startswith("/"))
 
 
 _VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"

@@ -43,6 +43,21 @@ def test_cpu_override_merged_matches_the_compose_spec(tmp_path: Path) -> None:
     check_jsonschema(out)
 
 
+def test_tls_override_merged_matches_the_compose_spec(tmp_path: Path) -> None:
+    merged = compose.model((compose.COMPOSE, compose.COMPOSE_CPU, compose.COMPOSE_TLS))
+    out = tmp_path / "merged.yml"
+    out.write_text(yaml.safe_dump({k: v for k, v in merged.items() if not k.startswith("x-")}, sort_keys=False))
+    check_jsonschema(out)
+    for name in MODULES:
+        svc = merged["services"][name]
+        env = compose.environment(svc)
+        assert env["RINGSERVE_TLS_CA"] == "/etc/ringserve/tls/ca.crt" and "RINGSERVE_LOG_LEVEL" in env, name
+        targets = [compose.volume_target(v) for v in svc["volumes"]]
+        assert "/etc/ringserve/tls" in targets, name
+        if name != "gateway":  # the base file's model cache is kept
+            assert "/cache/hf" in targets, name
+
+
 def test_ring_commands_ports_and_env() -> None:
     services = compose.model()["services"]
     for name, module in MODULES.items():

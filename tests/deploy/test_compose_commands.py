@@ -1,9 +1,10 @@
 """The compose commands are real: run each ring service's `command` and `environment` from
-docker-compose.yml (+ the CPU override) as a local process, in depends_on order, each gated on
-readiness and on its own compose healthcheck; then generate through the gateway."""
+docker-compose.yml (+ the CPU override, + the TLS override) as a local process, in depends_on order,
+each gated on readiness and on its own compose healthcheck; then generate through the gateway."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,13 @@ from tests.deploy._ring import (LocalService, PortMap, env_for_interpolation, ge
                                 skip_unless_services_exist)
 
 
-def local_services(model_dir: str) -> tuple[list[LocalService], PortMap]:
-    doc = compose.model((compose.COMPOSE, compose.COMPOSE_CPU), env=env_for_interpolation(model_dir))
+TLS_MOUNT = "/etc/ringserve/tls"
+
+
+def local_services(model_dir: str, tls_dir: Path | None = None) -> tuple[list[LocalService], PortMap]:
+    """tls_dir: with the TLS override, where its mounted files are here."""
+    files = (compose.COMPOSE, compose.COMPOSE_CPU) + ((compose.COMPOSE_TLS,) if tls_dir else ())
+    doc = compose.model(files, env=env_for_interpolation(model_dir))
     services = doc["services"]
     order = [name for name in compose.start_order(services) if name in compose.RING]
     assert order == list(compose.RING)
@@ -27,10 +33,14 @@ def local_services(model_dir: str) -> tuple[list[LocalService], PortMap]:
         ports = [int(cmd[cmd.index(f) + 1]) for f in ("--port", "--metrics-port") if f in cmd]
         pm.add_service(name, ports)
 
-        def health(pm: PortMap, test=svc["healthcheck"]["test"], name=name) -> None:
-            run_health_cmd(localize_health_cmd(test, out_by_name[name], pm))
+        env = compose.environment(svc)
+        if tls_dir is not None:
+            env = {k: v.replace(TLS_MOUNT, str(tls_dir)) for k, v in env.items()}
 
-        out.append(LocalService(name=name, argv=cmd, env=compose.environment(svc), ports=ports,
+        def health(pm: PortMap, test=svc["healthcheck"]["test"], name=name, env=env) -> None:
+            run_health_cmd(localize_health_cmd(test, out_by_name[name], pm), env={**os.environ, **env})
+
+        out.append(LocalService(name=name, argv=cmd, env=env, ports=ports,
                                 kind="http" if name == "gateway" else "grpc", serve_port=ports[0],
                                 health=health))
     out_by_name = {s.name: s for s in out}
@@ -58,5 +68,21 @@ def test_compose_translation_maps_every_host_and_port(model_dir: str, tmp_path: 
 def test_compose_commands_serve_a_request(model_dir: str, tmp_path: Path) -> None:
     skip_unless_services_exist()
     services, pm = local_services(model_dir)
+    with running(services, pm, model_dir, hf_home_dir(tmp_path)):
+        generate_through_gateway(pm.local("gateway", 30000))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_compose_commands_serve_with_mutual_tls(model_dir: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_unless_services_exist()
+    from tests.security.certs import tls_files
+
+    certs = tls_files(tmp_path / "certs")
+    services, pm = local_services(model_dir, certs)
+    assert all(s.env["RINGSERVE_TLS_CERT"] == str(certs / "server.crt") for s in services)
+    for var, file in (("CA", "ca.crt"), ("CLIENT_CERT", "client.crt"), ("CLIENT_KEY", "client.key")):
+        monkeypatch.setenv(f"RINGSERVE_TLS_{var}", str(certs / file))  # this test's readiness waits
     with running(services, pm, model_dir, hf_home_dir(tmp_path)):
         generate_through_gateway(pm.local("gateway", 30000))

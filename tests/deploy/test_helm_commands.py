@@ -7,7 +7,6 @@ chart's exec probes."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import urllib.request
 from pathlib import Path
@@ -118,15 +117,9 @@ def test_helm_commands_serve_a_request(model_dir: str, tmp_path: Path) -> None:
 def test_helm_commands_serve_with_mutual_tls(model_dir: str, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     skip_unless_services_exist()
-    from tests.security.certs import CA
+    from tests.security.certs import tls_files
 
-    ca = CA(tmp_path)
-    secret = tmp_path / "secret"  # the Secret's keys, as the chart mounts them
-    secret.mkdir()
-    shutil.copy(ca.path, secret / "ca.crt")
-    for role, pair in (("server", ca.issue("server", server=True)), ("client", ca.issue("client", server=False))):
-        shutil.copy(pair.cert, secret / f"{role}.crt")
-        shutil.copy(pair.key, secret / f"{role}.key")
+    secret = tls_files(tmp_path / "secret")  # the Secret's keys, as the chart mounts them
     values = {**CPU, "tls": {"enabled": True, "secretName": "rs-tls", "serverName": "localhost"}}
     services, pm = local_services(values, secret)
     assert all(svc.env["RINGSERVE_TLS_CA"] == str(secret / "ca.crt") for svc in services)

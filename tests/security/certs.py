@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,3 +65,16 @@ class CA:
         Path(pair.cert).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_key(key, Path(pair.key))
         return pair
+
+
+def tls_files(directory: Path) -> Path:
+    """A throwaway CA's files under the names a deployment mounts them with (ca.crt, server.crt/.key for
+    127.0.0.1 and localhost, client.crt/.key); returns the directory."""
+    issued = directory / "issued"
+    issued.mkdir(parents=True, exist_ok=True)
+    ca = CA(issued)
+    shutil.copy(ca.path, directory / "ca.crt")
+    for role, pair in (("server", ca.issue("server", server=True)), ("client", ca.issue("client", server=False))):
+        shutil.copy(pair.cert, directory / f"{role}.crt")
+        shutil.copy(pair.key, directory / f"{role}.key")
+    return directory
