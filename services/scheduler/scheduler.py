@@ -29,7 +29,8 @@ from services.scheduler.outputs import ReqOutput, make_output
 from services.scheduler.prefill import build_extend_batch
 from services.scheduler.req import FinishInfo, Req
 from services.scheduler.retract import retract_for_decode
-from services.scheduler.sampling import SamplingBatchInfo, make_generator, sample
+from services.scheduler.sample_reqs import sample_reqs
+from services.scheduler.sampling import make_generator
 from services.scheduler.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
                                                 NEW_TOKEN_RATIO_DECAY, PrefillAdder, order_waiting)
 from services.scheduler.stats import SchedulerStats
@@ -183,26 +184,10 @@ class Scheduler:
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> list[int]:
         rows = batch.sample_rows
-        if not rows:
-            return []
-        reqs = [batch.reqs[i] for i in rows]
         if len(rows) != len(batch.reqs):
             logits = logits[rows]
-        self.grammar.mask(logits, reqs)
-        finisher = self.finisher
-        info = SamplingBatchInfo.build(
-            [r.params for r in reqs], [r.generator for r in reqs], [r.output_ids for r in reqs],
-            [r.origin_input_ids for r in reqs],
-            # A grammar decides for itself when EOS may come; masking it too could leave no token.
-            [set(finisher.stop_ids_for_min_tokens(r))
-             if r.params.min_new_tokens > len(r.output_ids) and r.grammar is None else set() for r in reqs],
-            self.runner.vocab_size, self.device)
-        out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs])
-        for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs):
-            if r.return_logprob:
-                r.output_logprobs.append(lp)
-                r.output_top_logprobs.append(top)
-        return out.next_token_ids
+        return sample_reqs([batch.reqs[i] for i in rows], logits, self.grammar, self.finisher,
+                           self.runner.vocab_size, self.device)
 
     def process_results(self, batch: Batch, next_ids: list[int], elapsed: float) -> None:
         now = time.monotonic()
