@@ -30,6 +30,7 @@ from ringserve.process import ServiceProcess, free_port
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE_MODEL_DIR = "/models/default"
 IMAGE_HF_HOME = "/cache/hf"
+IMAGE_TLS_DIR = "/etc/ringserve/tls"  # where compose's TLS override and the chart's tls block mount the files
 # Modules the containers run; the e2e tests skip (with this reason) until they exist.
 SERVICE_MODULES = ("services.detokenizer", "services.scheduler", "services.tokenizer", "gateway")
 TARGET_RE = re.compile(r"^(?P<scheme>dns:///)?(?P<host>[A-Za-z0-9][A-Za-z0-9.-]*):(?P<port>\d+)$")
@@ -118,6 +119,11 @@ def localize_value(value: str, pm: PortMap, model_dir: str, hf_home: str) -> str
         assert target is not None, f"{value!r} names no service of the deployment"
         return f"{m['scheme'] or ''}127.0.0.1:{pm.local(target, int(m['port']))}"
     return map_paths(value, model_dir, hf_home)
+
+
+def with_tls_dir(env: dict[str, str], tls_dir: Path | None) -> dict[str, str]:
+    """env with the TLS mount path replaced by the local directory holding the same files."""
+    return env if tls_dir is None else {k: v.replace(IMAGE_TLS_DIR, str(tls_dir)) for k, v in env.items()}
 
 
 def localize_env(env: dict[str, str], pm: PortMap, model_dir: str, hf_home: str) -> dict[str, str]:

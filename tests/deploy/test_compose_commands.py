@@ -12,10 +12,7 @@ import pytest
 from tests.deploy import _compose as compose
 from tests.deploy._ring import (LocalService, PortMap, env_for_interpolation, generate_through_gateway,
                                 hf_home_dir, localize_health_cmd, run_health_cmd, running,
-                                skip_unless_services_exist)
-
-
-TLS_MOUNT = "/etc/ringserve/tls"
+                                skip_unless_services_exist, with_tls_dir)
 
 
 def local_services(model_dir: str, tls_dir: Path | None = None) -> tuple[list[LocalService], PortMap]:
@@ -33,9 +30,7 @@ def local_services(model_dir: str, tls_dir: Path | None = None) -> tuple[list[Lo
         ports = [int(cmd[cmd.index(f) + 1]) for f in ("--port", "--metrics-port") if f in cmd]
         pm.add_service(name, ports)
 
-        env = compose.environment(svc)
-        if tls_dir is not None:
-            env = {k: v.replace(TLS_MOUNT, str(tls_dir)) for k, v in env.items()}
+        env = with_tls_dir(compose.environment(svc), tls_dir)
 
         def health(pm: PortMap, test=svc["healthcheck"]["test"], name=name, env=env) -> None:
             run_health_cmd(localize_health_cmd(test, out_by_name[name], pm), env={**os.environ, **env})

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.deploy._ring import (LocalService, PortMap, generate_through_gateway, hf_home_dir, run_health_cmd,
-                                running, skip_unless_services_exist)
+                                running, skip_unless_services_exist, with_tls_dir)
 
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (requirements-dev.txt)")
 
@@ -23,9 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ORDER = ("detokenizer", "scheduler", "tokenizer", "gateway")  # readiness order (docs/deployment.md)
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 CPU = {"scheduler": {"device": "cpu"}}
-TLS_MOUNT = "/etc/ringserve/tls"
-
-
 def rendered_objects(values: dict) -> list[dict]:
     with helm.Chart.load(ROOT / "k8s" / "ringserve") as chart:
         out = chart.render(values=values, name="rs", namespace="llm")
@@ -78,8 +75,7 @@ def local_services(values: dict = CPU, tls_dir: Path | None = None) -> tuple[lis
     for name in ORDER:
         c = containers[name]
         env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}  # secretKeyRef: not here
-        if tls_dir is not None:
-            env = {k: v.replace(TLS_MOUNT, str(tls_dir)) for k, v in env.items()}
+        env = with_tls_dir(env, tls_dir)
         serve = next(p["containerPort"] for p in c["ports"] if p["name"] in ("grpc", "http"))
 
         def health(pm: PortMap, c=c, name=name, env=env) -> None:
