@@ -14,7 +14,8 @@ slowly, so this cache keeps each running request's K/V in a dense row that persi
   by a new request, is never read from a stale copy.
 
 The pool stays the source of truth; this is a cache that can be dropped at any time (`reset`), and
-it declines (returns None) when its buffers would exceed `max_bytes`.
+it declines (returns None) when its buffers would exceed `max_bytes` (by default twice the pool's
+bytes, at least 1 GiB; it grows by doubling while that fits, else to just what the batch needs).
 
 With `native` (the C decode kernel reads the rows), a request joining the batch whose first slots
 are another running request's (a prefix shared through the radix cache) gets that prefix from one
@@ -28,6 +29,9 @@ import torch
 from services.scheduler.cpu_kernels import SharedKV
 from services.scheduler.memory_pool import TokenToKVPool, doubled
 from services.scheduler.shared_prefix import MIN_SHARED, SharedPrefixes
+
+MIN_BUDGET = 1 << 30   # bytes the dense rows may take at least ...
+POOL_MULTIPLE = 2      # ... or this many times the KV pool's, whichever is more
 
 
 class DecodeRows:
@@ -47,11 +51,16 @@ class DecodeRows:
 
 class DenseDecodeCache:
     def __init__(self, kv_pool: TokenToKVPool, req_to_token: torch.Tensor, num_layers: int,
-                 max_context_len: int, max_bytes: int = 1 << 30, native: bool = False) -> None:
+                 max_context_len: int, max_bytes: int | None = None, native: bool = False) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.num_layers = num_layers
         self.max_context_len = max_context_len
+        if max_bytes is None:
+            # The rows are padded to the longest, so a batch that fits the pool can need more than
+            # the pool's bytes here; without this cache a decode step gathers the pool (far slower).
+            pool_bytes = sum(t.numel() * t.element_size() for t in (*kv_pool.k_buffer, *kv_pool.v_buffer))
+            max_bytes = max(MIN_BUDGET, POOL_MULTIPLE * pool_bytes)
         self.max_bytes = max_bytes
         self.row_of: dict[int, int] = {}  # req_pool_idx -> dense row
         self.req_at: list[int] = []       # dense row -> req_pool_idx
@@ -108,14 +117,18 @@ class DenseDecodeCache:
         b_cap, l_cap = self._capacity()
         if batch_size <= b_cap and kv_len <= l_cap:
             return True
-        new_b, new_l = doubled(b_cap, batch_size, 8), doubled(l_cap, kv_len, 64)
-        # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
-        # (measured: 1.4 against 1.17 ms per layer at L=600).
-        new_l = min(new_l, max(self.max_context_len, kv_len)) + 16
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
-        elem = pool.k_buffer[0].element_size()
-        if 2 * self.num_layers * new_b * heads * new_l * dim * elem > self.max_bytes:
+        row_bytes = 2 * self.num_layers * heads * dim * pool.k_buffer[0].element_size()  # per row and position
+        # Doubling when it fits the budget (few regrowths), else just what this batch needs.
+        for new_b, new_l in ((doubled(b_cap, batch_size, 8), doubled(l_cap, kv_len, 64)),
+                             (max(b_cap, -(-batch_size // 8) * 8), max(l_cap - 16, -(-kv_len // 64) * 64))):
+            # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
+            # (measured: 1.4 against 1.17 ms per layer at L=600).
+            new_l = min(new_l, max(self.max_context_len, kv_len)) + 16
+            if new_b * new_l * row_bytes <= self.max_bytes:
+                break
+        else:
             return False
         used = len(self.req_at)
         # The C kernel reads no position past a row's length, so its buffers need no zeroing: growing

@@ -79,6 +79,26 @@ def test_over_budget_falls_back_to_gathering(runner: ModelRunner) -> None:
         cache.max_bytes = saved
 
 
+def test_grows_to_just_what_fits_when_doubling_would_not(runner: ModelRunner) -> None:
+    cache = runner.attn_backend.dense
+    saved = cache.max_bytes
+    cache.reset()
+    cache.k, cache.v = [], []
+    pool = runner.token_to_kv_pool
+    heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
+    row_bytes = 2 * len(pool.k_buffer) * heads * dim * pool.k_buffer[0].element_size()
+    try:
+        s = Seq(runner, list(range(10, 149)))  # 139 prompt tokens: the decode step holds 140
+        runner.forward(make_batch([s], ForwardMode.EXTEND, [139]))
+        cache.max_bytes = 8 * (256 + 16) * row_bytes - 1  # doubling (8 rows x 256 positions) does not fit
+        decode(runner, [s], dense=True)
+        assert runner.attn_backend.metadata.dense_rows is not None
+        assert cache.v[0].shape == (8, heads, 192 + 16, dim)  # 140 rounded up to 64 positions, + the pad
+    finally:
+        cache.max_bytes = saved
+        cache.reset()
+
+
 def sharing(runner: ModelRunner, leader: Seq, n: int, own: list[int]) -> Seq:
     """A request whose first n tokens are the leader's, on the leader's KV slots (a radix-cache hit)."""
     s = Seq(runner, leader.ids[:n] + own)
