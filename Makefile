@@ -8,7 +8,7 @@ MODEL ?=
 ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint bench bench-engine soak clean
+.PHONY: run test proto model install lint bench bench-100m bench-engine soak clean
 SOAK_S ?= 180
 
 $(STAMP): requirements.txt requirements-dev.txt
@@ -38,6 +38,10 @@ lint: proto
 
 bench: model
 	$(PY) -m bench $(ARGS)
+
+# The ~100M-parameter model of the same family (built on first use), A-C once each: about 7 minutes.
+bench-100m: model
+	$(PY) -m bench --models 100m --targets gateway,grpc,engine,vllm --workloads A,B,C --repeats 1 $(ARGS)
 
 bench-engine: model
 	$(PY) -m services.scheduler.bench $(ARGS)
