@@ -59,8 +59,7 @@ class DenseDecodeCache:
         if max_bytes is None:
             # The rows are padded to the longest, so a batch that fits the pool can need more than
             # the pool's bytes here; without this cache a decode step gathers the pool (far slower).
-            pool_bytes = sum(t.numel() * t.element_size() for t in (*kv_pool.k_buffer, *kv_pool.v_buffer))
-            max_bytes = max(MIN_BUDGET, POOL_MULTIPLE * pool_bytes)
+            max_bytes = max(MIN_BUDGET, POOL_MULTIPLE * kv_pool.bytes_per_token * kv_pool.size)
         self.max_bytes = max_bytes
         self.row_of: dict[int, int] = {}  # req_pool_idx -> dense row
         self.req_at: list[int] = []       # dense row -> req_pool_idx
@@ -119,14 +118,13 @@ class DenseDecodeCache:
             return True
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
-        row_bytes = 2 * self.num_layers * heads * dim * pool.k_buffer[0].element_size()  # per row and position
         # Doubling when it fits the budget (few regrowths), else just what this batch needs.
         for new_b, new_l in ((doubled(b_cap, batch_size, 8), doubled(l_cap, kv_len, 64)),
                              (max(b_cap, -(-batch_size // 8) * 8), max(l_cap - 16, -(-kv_len // 64) * 64))):
             # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
             # (measured: 1.4 against 1.17 ms per layer at L=600).
             new_l = min(new_l, max(self.max_context_len, kv_len)) + 16
-            if new_b * new_l * row_bytes <= self.max_bytes:
+            if new_b * new_l * pool.bytes_per_token <= self.max_bytes:
                 break
         else:
             return False

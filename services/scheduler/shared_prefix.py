@@ -80,7 +80,7 @@ class SharedPrefixes:
         new_e, new_p = doubled(e_cap, entries, 4), doubled(p_cap, length, 64) + 16  # off a power-of-two stride, as the rows (decode_cache.py)
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
-        if 2 * self.num_layers * new_e * heads * new_p * dim * pool.k_buffer[0].element_size() > self.max_bytes:
+        if new_e * new_p * pool.bytes_per_token > self.max_bytes:
             return False
         k_new, v_new = [], []
         for layer in range(self.num_layers):
