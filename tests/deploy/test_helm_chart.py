@@ -11,67 +11,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (requirements-dev.txt)")
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "k8s" / "ringserve"
-VALUES_DIR = Path(__file__).parent / "values"
-MATRIX = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
-RELEASE, NAMESPACE = "rs", "llm"
-K8S_VERSIONS = ("1.30.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas shipped
-GRPC_COMPONENTS = ("detokenizer", "scheduler", "tokenizer")
-
-
-def values_of(case: str) -> dict[str, Any]:
-    return yaml.safe_load((VALUES_DIR / f"{case}.yaml").read_text()) or {}
-
-
-def render(values: dict[str, Any]) -> dict[str, str]:
-    with helm.Chart.load(CHART) as chart:
-        return chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-
-
-def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
-    docs = []
-    for path, text in rendered.items():
-        if path.endswith("NOTES.txt"):
-            continue
-        docs += [d for d in yaml.safe_load_all(text) if d]
-    return docs
-
-
-def by_kind(objs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
-
-
-def component(obj: dict[str, Any]) -> str:
-    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
-
-
-def deployments(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {component(d): d for d in by_kind(objs, "Deployment").values()}
-
-
-def container(dep: dict[str, Any]) -> dict[str, Any]:
-    (c,) = dep["spec"]["template"]["spec"]["containers"]
-    return c
-
-
-def arg(c: dict[str, Any], flag: str) -> str:
-    args = c["args"]
-    assert flag in args, f"{c['name']}: {flag} missing from {args}"
-    return args[args.index(flag) + 1]
-
-
-@pytest.fixture(scope="module", params=MATRIX)
-def case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
-    values = values_of(request.param)
-    return request.param, values, objects(render(values))
+# helm: helm-python-sdk, or the module is skipped; case: the values-matrix fixture (one rendered case per file)
+from tests.deploy._helm import (CHART, GRPC_COMPONENTS, K8S_VERSIONS, MATRIX, NAMESPACE, RELEASE, ROOT, arg,  # noqa: F401
+                                by_kind, case, component, container, deployments, helm, render, values_of)
 
 
 def test_lint_strict_every_case() -> None:
@@ -162,34 +108,6 @@ def test_named_ports_and_probes_on_every_container(case) -> None:
     sched = container(deployments(objs)["scheduler"])
     budget = sched["startupProbe"]["periodSeconds"] * sched["startupProbe"]["failureThreshold"]
     assert budget >= 600, "the scheduler needs a long startup budget for model loads"
-
-
-TLS_ENV = {"RINGSERVE_TLS_CERT": "server.crt", "RINGSERVE_TLS_KEY": "server.key", "RINGSERVE_TLS_CA": "ca.crt",
-           "RINGSERVE_TLS_CLIENT_CERT": "client.crt", "RINGSERVE_TLS_CLIENT_KEY": "client.key"}
-
-
-def test_tls_secret_and_env_in_every_pod(case) -> None:
-    _, values, objs = case
-    tls = values.get("tls", {})
-    for comp, dep in deployments(objs).items():
-        pod = dep["spec"]["template"]["spec"]
-        c = container(dep)
-        env = {e["name"]: e.get("value") for e in c["env"]}
-        vols = {v["name"]: v for v in pod["volumes"]}
-        mounts = {m["name"]: m for m in c["volumeMounts"]}
-        if not tls.get("enabled"):
-            assert not any(k.startswith("RINGSERVE_TLS_") for k in env) and "tls" not in vols, comp
-            continue
-        assert vols["tls"]["secret"]["secretName"] == tls["secretName"], comp
-        assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/ringserve/tls", "readOnly": True}, comp
-        for var, file in TLS_ENV.items():
-            assert env[var] == f"/etc/ringserve/tls/{file}", (comp, var)
-        assert env.get("RINGSERVE_TLS_SERVER_NAME") == (tls.get("serverName") or None), comp
-
-
-def test_tls_needs_a_secret() -> None:
-    with pytest.raises(Exception, match="secretName"):
-        render({"tls": {"enabled": True}})
 
 
 def test_gpu_request_on_scheduler_only(case) -> None:
