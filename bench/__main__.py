@@ -1,6 +1,6 @@
-"""`make bench`: ringserve (gateway, gRPC, in-process engine) side by side with vLLM CPU.
+"""`make bench`: ringserve (gateway, gRPC, in-process engine) side by side with vLLM CPU and transformers.
 
-    python -m bench [--quick] [--targets gateway,grpc,engine,vllm,transformers] [--models tiny,100m]
+    python -m bench [--quick] [--targets gateway,native,grpc,engine,vllm,transformers] [--models tiny,100m]
                     [--workloads A,B,C,D] [--repeats N] [--stream-interval N] [--out DIR]
 
 Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
@@ -28,8 +28,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller workloads (about 5 minutes)")
-    ap.add_argument("--targets", default="gateway,native,grpc,engine,vllm",
-                    help=f"comma list of {','.join(TARGETS)} (default: all but transformers)")
+    ap.add_argument("--targets", default=",".join(TARGETS),
+                    help=f"comma list of {','.join(TARGETS)} (default: all)")
     ap.add_argument("--models", default="tiny", help="comma list of tiny, 100m or model directories")
     ap.add_argument("--workloads", default="", help="comma list of A,B,C,D (or D@4); default all")
     ap.add_argument("--out", type=Path, default=None, help="default .cache/bench/results/<time>")
