@@ -8,6 +8,7 @@ OPENAI_PARAMS maps those names back to what an OpenAI client sent.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import grpc
@@ -165,12 +166,19 @@ def native_finish_reason(fr: common_pb2.FinishReason, completion_tokens: int) ->
     return {"type": fr.type, "message": fr.message, "status_code": fr.status_code or None}
 
 
+def _scored(lp: common_pb2.TokenLogprob) -> bool:
+    """False for a prompt's first token, which nothing predicts (its logprob travels as NaN)."""
+    return not math.isnan(lp.logprob)
+
+
 def native_logprobs(lps: list[common_pb2.TokenLogprob], top_n: int) -> tuple[list[Any], list[Any] | None]:
-    """SGLang: output_token_logprobs [[logprob, id, text]], output_top_logprobs [[[lp, id, text], ...]]."""
-    tokens = [[lp.logprob, lp.token_id, lp.token or None] for lp in lps]
+    """SGLang: output_token_logprobs [[logprob, id, text]], output_top_logprobs [[[lp, id, text], ...]]
+    (the same shape for input_token_logprobs, None where a prompt position has no logprob)."""
+    tokens = [[lp.logprob if _scored(lp) else None, lp.token_id, lp.token or None] for lp in lps]
     if top_n <= 0:
         return tokens, None
-    tops = [[[t.logprob, t.token_id, t.token or None] for t in lp.top_logprobs] for lp in lps]
+    tops = [[[t.logprob, t.token_id, t.token or None] for t in lp.top_logprobs] if _scored(lp) else None
+            for lp in lps]
     return tokens, tops
 
 
@@ -179,12 +187,20 @@ def completion_logprobs(lps: list[common_pb2.TokenLogprob], start_offset: int) -
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = start_offset
     for lp in lps:
+        scored = _scored(lp)  # with echo, the prompt's first token has no logprob: null, as OpenAI's
         out["tokens"].append(lp.token)
-        out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append({t.token: t.logprob for t in lp.top_logprobs})
+        out["token_logprobs"].append(lp.logprob if scored else None)
+        out["top_logprobs"].append({t.token: t.logprob for t in lp.top_logprobs} if scored else None)
         out["text_offset"].append(offset)
         offset += len(lp.token)
     return out
+
+
+def echo_logprobs(prompt: list[common_pb2.TokenLogprob], output: list[common_pb2.TokenLogprob],
+                  echo_len: int) -> dict[str, Any]:
+    """Completions with echo: the prompt's tokens (offsets from 0), then the output's (from echo_len)."""
+    head, tail = completion_logprobs(prompt, 0), completion_logprobs(output, echo_len)
+    return {k: head[k] + tail[k] for k in head}
 
 
 def chat_logprobs(lps: list[common_pb2.TokenLogprob]) -> dict[str, Any]:

@@ -46,6 +46,8 @@ class GenerateReqInput(BaseModel):
     stream: bool = False
     return_logprob: bool | list[bool] = False
     top_logprobs_num: UInt32 | list[UInt32] = 0
+    # With return_logprob, score the prompt from this position (input_token_logprobs); -1: no.
+    logprob_start_len: Int32 | list[Int32] = -1
     rid: str | list[str] | None = None
     return_timings: bool = False
     model: str | None = None

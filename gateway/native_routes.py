@@ -64,6 +64,9 @@ def _items(body: GenerateReqInput) -> tuple[list[_Item], bool]:
             rid=rid, stream=body.stream, top_logprobs_num=top_n, return_timings=body.return_timings,
             return_logprob=bool(_pick(body.return_logprob, i, len(prompts), "return_logprob")),
             sampling_params=sampling_from_native(_pick(body.sampling_params, i, len(prompts), "sampling_params")))
+        start = int(_pick(body.logprob_start_len, i, len(prompts), "logprob_start_len"))
+        if req.return_logprob and start != -1:
+            req.logprob_start_len = start  # the tokenizer refuses what is not a position
         set_prompt(req, prompt)
         items.append(_Item(req, top_n))
     return items, is_batch
@@ -81,6 +84,10 @@ def _output(item: _Item, sample: Sample, index: int | None) -> dict[str, Any]:
         meta["output_token_logprobs"], tops = native_logprobs(sample.logprobs, item.top_n)
         if tops is not None:
             meta["output_top_logprobs"] = tops
+        if item.req.HasField("logprob_start_len"):
+            meta["input_token_logprobs"], tops = native_logprobs(sample.input_logprobs, item.top_n)
+            if tops is not None:
+                meta["input_top_logprobs"] = tops
     if m.HasField("timings"):
         meta["timings"] = MessageToDict(m.timings, preserving_proto_field_name=True)
     out: dict[str, Any] = {"text": sample.text, "output_ids": list(sample.output_ids), "meta_info": meta}

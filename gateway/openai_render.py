@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.convert import chat_logprobs, completion_logprobs, finish_error, matched
+from gateway.convert import chat_logprobs, echo_logprobs, finish_error, matched
 from gateway.errors import GatewayError
 from gateway.protocol import (AssistantMessage, ChatChoice, ChatCompletionResponse, ChoiceLogprobs,
                               CompletionChoice, CompletionLogprobs, CompletionResponse,
@@ -83,7 +83,8 @@ def render_full(spec: RenderSpec, results: list[dict[int, Sample]]) -> Completio
                                                logprobs=lp, finish_reason=reason, matched_stop=matched(s.finish)))
             else:
                 echo = spec.echo[pi] if spec.echo else ""
-                lp = CompletionLogprobs(**completion_logprobs(s.logprobs, len(echo))) if spec.logprobs else None
+                lp = (CompletionLogprobs(**echo_logprobs(s.input_logprobs, s.logprobs, len(echo)))
+                      if spec.logprobs else None)
                 completion_choices.append(CompletionChoice(index=index, text=echo + s.text, logprobs=lp,
                                                            finish_reason=reason, matched_stop=matched(s.finish)))
     if spec.chat:
@@ -124,7 +125,8 @@ async def render_stream(spec: RenderSpec,
                 start = offset + (len(text) - len(msg.text))
                 chars[index] = offset + len(text)
                 choice["text"] = text
-                choice["logprobs"] = completion_logprobs(list(msg.logprobs), start) if spec.logprobs else None
+                choice["logprobs"] = echo_logprobs(list(msg.input_logprobs), list(msg.logprobs), start) \
+                    if spec.logprobs else None
             choice["finish_reason"] = finish
             if finish is not None:
                 choice["matched_stop"] = matched(fr)

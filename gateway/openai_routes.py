@@ -59,6 +59,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         req = pb.GenerateRequest(rid=rid if len(prompts) == 1 else f"{rid}-p{i}", sampling_params=sp,
                                  stream=body.stream, return_logprob=body.logprobs is not None,
                                  top_logprobs_num=body.logprobs or 0)
+        if body.echo and body.logprobs is not None:
+            req.logprob_start_len = 0  # echoed prompt tokens get logprobs too (lm-eval's loglikelihood)
         set_prompt(req, prompt)
         reqs.append(req)
     echo: list[str] = []

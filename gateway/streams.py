@@ -28,6 +28,7 @@ class Sample:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     meta_info: pb.MetaInfo = field(default_factory=pb.MetaInfo)
     finished: bool = False
 
@@ -44,6 +45,7 @@ def append_output(into: Sample | pb.GenerateResponse, msg: pb.GenerateResponse) 
     into.text += msg.text
     into.output_ids.extend(msg.output_ids)
     into.logprobs.extend(msg.logprobs)
+    into.input_logprobs.extend(msg.input_logprobs)
     if msg.HasField("meta_info"):
         into.meta_info.CopyFrom(msg.meta_info)
     into.finished = into.finished or msg.finished

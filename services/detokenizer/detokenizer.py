@@ -39,6 +39,7 @@ class RequestState:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[Any] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
+    pending_input_logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -130,14 +131,17 @@ class Detokenizer:
             text = st.stop.finish(text, fin.matched_str, st.rid)
             self.states.pop(st.rid, None)
         token_offset = st.n_ids - len(ids)
+        input_logprobs = delta.input_logprobs
         if not st.params.stream:
             st.pending_ids.extend(ids)
             st.pending_logprobs.extend(delta.logprobs)
             st.pending_text.append(text)
+            if input_logprobs:
+                st.pending_input_logprobs = input_logprobs
             if fin is None:
                 return None
             ids, token_offset, text = st.pending_ids, 0, "".join(st.pending_text)
-            logprobs = st.pending_logprobs
+            logprobs, input_logprobs = st.pending_logprobs, st.pending_input_logprobs
         else:
             logprobs = delta.logprobs
         # Non-streaming text is all of the output; streaming text starts where the last delta ended.
@@ -145,7 +149,7 @@ class Detokenizer:
         out = TextDelta(rid=st.rid, token_offset=token_offset, ids=ids, text_offset=text_offset,
                         text=text, logprobs=logprobs, finish=fin,
                         prompt_tokens=st.params.prompt_tokens, cached_tokens=delta.cached_tokens,
-                        timings=delta.timings)
+                        timings=delta.timings, input_logprobs=input_logprobs)
         st.n_chars = text_offset + len(text)
         if fin is not None:
             out.detokenize_s = st.decode_s

@@ -40,6 +40,7 @@ class TokenDelta:
     logprobs: list[Any] = field(default_factory=list)  # opaque, passed through
     cached_tokens: int = 0
     timings: Any = None  # opaque, passed through on the last delta
+    input_logprobs: list[Any] = field(default_factory=list)  # opaque: the prompt's, once
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class TextDelta:
     cached_tokens: int = 0
     timings: Any = None
     detokenize_s: float = 0.0  # decode work attributed to this request (set on the last delta)
+    input_logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -40,7 +40,8 @@ def delta_from_pb(d: detokenizer_pb2.TokenDelta) -> TokenDelta:
                       params=params_from_pb(d.params) if d.HasField("params") else None,
                       finish=finish_from_pb(d.finish) if d.HasField("finish") else None,
                       logprobs=d.logprobs[:] if len(d.logprobs) else [], cached_tokens=d.cached_tokens,
-                      timings=d.timings if d.HasField("timings") else None)
+                      timings=d.timings if d.HasField("timings") else None,
+                      input_logprobs=d.input_logprobs[:] if len(d.input_logprobs) else [])
 
 
 def batch_from_pb(b: detokenizer_pb2.StepBatch) -> StepBatch:
@@ -53,6 +54,8 @@ def add_text_delta(resp: detokenizer_pb2.SubscribeResponse, t: TextDelta) -> Non
                           text=t.text, prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens)
     if t.logprobs:
         out.logprobs.extend(t.logprobs)
+    if t.input_logprobs:
+        out.input_logprobs.extend(t.input_logprobs)
     if t.finish is not None:
         out.finish.CopyFrom(finish_to_pb(t.finish))
         if t.timings is not None:

@@ -232,14 +232,16 @@ class Engine:
     # -- convenience -----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
-                 return_logprob: bool = False, top_logprobs_num: int = 0) -> list[GenerationResult]:
+                 return_logprob: bool = False, top_logprobs_num: int = 0,
+                 logprob_start_len: int = -1) -> list[GenerationResult]:
         """Submit all prompts and step until every one finished (in-process use: tests, benchmarks)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         base = f"gen-{time.monotonic_ns()}"
         results = {f"{base}-{i}": GenerationResult(rid=f"{base}-{i}") for i in range(len(prompts))}
         pending = deque(Req(rid=rid, origin_input_ids=list(ids), params=p, stream=False,
-                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                            logprob_start_len=logprob_start_len)
                         for rid, ids, p in zip(results, prompts, params))
         left = len(results)
         while left:
@@ -258,6 +260,7 @@ class Engine:
                 res.output_ids = out.ids
                 res.logprobs = out.logprobs or []
                 res.top_logprobs = out.top_logprobs or []
+                res.input_logprobs = out.input_logprobs or []
                 res.finish, res.cached_tokens, res.prompt_tokens = out.finish, out.cached_tokens, out.prompt_tokens
                 left -= 1
         return list(results.values())

@@ -32,6 +32,9 @@ class ForwardBatch:
     # EXTEND only: the last num_decode requests are running requests decoding one token each (a
     # mixed step); attention reads their KV as a DECODE batch would.
     num_decode: int = 0
+    # EXTEND only: how many of each request's last new tokens get logits (None: one each), for
+    # requests that score their prompt (prompt_logprobs.py).
+    logit_rows: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from services.scheduler import prompt_logprobs
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.radix_cache import RadixCache
 from services.scheduler.req import Req
@@ -40,8 +41,10 @@ class KVManager:
 
     def match(self, req: Req) -> int:
         """Look up the cached prefix of a waiting request (not locked yet). Returns its length."""
-        # Leave the last token uncached: its logits are what the prefill is for.
-        indices, node = self.tree.match_prefix(req.fill_ids[:-1])
+        # Leave the last token uncached: its logits are what the prefill is for; and every position
+        # whose logits score a prompt token asked for (prompt_logprobs.py).
+        cap = prompt_logprobs.cache_cap(req)
+        indices, node = self.tree.match_prefix(req.fill_ids[:-1] if cap is None else req.fill_ids[:cap])
         req.prefix_indices, req.last_node = indices, node
         return int(indices.numel())
 

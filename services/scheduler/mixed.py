@@ -27,6 +27,7 @@ def mix(extend: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:
         prefix_lens=extend.prefix_lens + decode.prefix_lens,
         seq_lens_cpu=extend.seq_lens_cpu + decode.seq_lens_cpu,
         num_decode=decode.batch_size,
+        logit_rows=None if extend.logit_rows is None else extend.logit_rows + [1] * decode.batch_size,
     )
 
 

@@ -132,7 +132,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] float32 of each request's last new token."""
+        """Logits [B, V] float32 of each request's last new token (with batch.logit_rows: of each
+        request's last logit_rows[b] new tokens, [sum(logit_rows), V])."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
             return self.cuda_graph_runner.replay(batch)
         return self.forward_eager(batch)
@@ -145,11 +146,7 @@ class ModelRunner:
         if batch.mode == ForwardMode.DECODE:
             last_index = None  # one token per request: every row is a last token
         else:
-            ends, total = [], 0
-            for n in batch.extend_lens:
-                total += n
-                ends.append(total - 1)
-            last_index = None if total == len(ends) else torch.tensor(ends, dtype=torch.int64).to(self.device)
+            last_index = _logit_index(batch.extend_lens, batch.logit_rows, self.device)
         return self.model(batch.input_ids, batch.positions, self.attn_backend, last_index)
 
     def _use_threads(self, n: int) -> None:
@@ -178,6 +175,16 @@ class ModelRunner:
         finally:
             self.token_to_kv_pool.free(slots)
             self.req_to_token_pool.free(row)
+
+
+def _logit_index(extend_lens: list[int], logit_rows: list[int] | None, device: torch.device) -> torch.Tensor | None:
+    """[R] int64 rows of the packed tokens whose logits are wanted; None when that is every row."""
+    rows = logit_rows or [1] * len(extend_lens)
+    index, end = [], 0
+    for n, k in zip(extend_lens, rows):
+        end += n
+        index.extend(range(end - k, end))
+    return None if len(index) == end else torch.tensor(index, dtype=torch.int64).to(device)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.scheduler import prompt_logprobs
 from services.scheduler.req import FinishInfo, Req
 
 
@@ -39,6 +40,9 @@ class ReqOutput:
     ids: list[int]
     logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # The prompt's scored positions as (token id, logprob, top alternatives), once: with the first
+    # token (and again in every full output).
+    input_logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] | None = None
     finish: FinishInfo | None = None
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -54,6 +58,7 @@ class GenerationResult:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    input_logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
     finish: FinishInfo | None = None
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -77,6 +82,9 @@ def make_output(req: Req, full: bool = False) -> ReqOutput:
         out.logprobs = req.output_logprobs[start:]
         if req.top_logprobs_num:
             out.top_logprobs = req.output_top_logprobs[start:]
+    if req.logprob_start_len >= 0 and not prompt_logprobs.wants(req) and (full or not req.input_logprobs_sent):
+        out.input_logprobs = list(req.input_logprobs)
+        req.input_logprobs_sent = True
     if full or not req.params_sent:
         out.decode_params = decode_params(req)
         req.params_sent = True

@@ -55,6 +55,11 @@ class Req:
     # The chosen token's logprob and its top alternatives, per output token (when asked for).
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    # Prompt logprobs (prompt_logprobs.py): from this position on (-1: none), as (token id, logprob,
+    # top alternatives) per prompt position; position 0 has no logprob (nan).
+    logprob_start_len: int = -1
+    input_logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
+    input_logprobs_sent: bool = False
 
     # KV state.
     req_pool_idx: int | None = None

@@ -28,7 +28,7 @@ def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, fin
         vocab_size, device)
     out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs])
     for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs):
-        if r.return_logprob:
+        if r.return_logprob and r.params.max_new_tokens:  # 0: the token is not kept (scheduler.py)
             r.output_logprobs.append(lp)
             r.output_top_logprobs.append(top)
     return out.next_token_ids

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.scheduler import prompt_logprobs
 from services.scheduler.decode import build_decode_batch
 from services.scheduler.finish import FinishChecker
 from services.scheduler.forward_batch import ForwardBatch
@@ -90,7 +91,7 @@ class Scheduler:
         self._decode_next = self.decode_interleave and batch is not None and batch.is_prefill
         if batch is not None:
             t0 = time.monotonic()
-            logits = self.runner.forward(batch.forward)  # [B, V]
+            logits = prompt_logprobs.take(batch.reqs, batch.forward, self.runner.forward(batch.forward))  # [B, V]
             next_ids = self.sample(batch, logits)
             self.process_results(batch, next_ids, time.monotonic() - t0)
         out, self._emit = self._emit, []
@@ -135,6 +136,7 @@ class Scheduler:
                 self.stats.cached_prompt_tokens += req.kv_len
         fb = build_extend_batch(adder.reqs, adder.extend_lens, adder.slots,
                                 self.kv.req_pool.req_to_token, self.device)
+        fb.logit_rows = prompt_logprobs.logit_rows(adder.reqs, adder.extend_lens)
         rows = [i for i, (r, n) in enumerate(zip(adder.reqs, adder.extend_lens)) if r.kv_len + n == len(r.fill_ids)]
         self.stats.prefill_tokens += sum(adder.extend_lens)
         self.stats.prefill_steps += 1
@@ -210,6 +212,9 @@ class Scheduler:
         emit = self._emit
         for row, token in zip(batch.sample_rows, next_ids):
             req = batch.reqs[row]
+            if req.params.max_new_tokens == 0:  # a prompt scored, nothing generated (SGLang, OpenAI echo)
+                self.finish(req, FinishInfo("length"))
+                continue
             req.output_ids.append(token)
             req.timings.last_token = now
             reason = self.grammar.accept(req, token) or self.finisher.check(req)
@@ -237,6 +242,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         if req.params.seed is not None:
             req.generator = make_generator(req.params.seed, self.device)
+        prompt_logprobs.seed(req)
         limit = min(self.finisher.max_seq_len, self.kv.size)
         if not req.origin_input_ids or len(req.origin_input_ids) >= limit:
             self._refuse(req, FinishInfo("abort", message=f"prompt has {len(req.origin_input_ids)} tokens; it must "

@@ -35,6 +35,7 @@ def req_from_pb(pb: scheduler_pb2.TokenizedRequest, owner: str) -> Req:
     return Req(rid=pb.rid, owner=pb.owner or owner, origin_input_ids=list(pb.input_ids),
                params=SamplingParams.from_pb(pb.sampling_params), stream=pb.stream,
                return_logprob=pb.return_logprob, top_logprobs_num=pb.top_logprobs_num,
+               logprob_start_len=pb.logprob_start_len if pb.HasField("logprob_start_len") else -1,
                timings=ReqTimings(arrival=time.monotonic(), sent_at=pb.sent_at, arrived_at=time.time()))
 
 
@@ -48,10 +49,9 @@ def output_to_pb(o: ReqOutput) -> detokenizer_pb2.TokenDelta:
             prompt_tokens=p.prompt_tokens))
     if o.logprobs is not None:
         tops = o.top_logprobs or [None] * len(o.ids)
-        d.logprobs.extend(
-            common_pb2.TokenLogprob(token_id=t, logprob=lp or 0.0, top_logprobs=[
-                common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in (top or ())])
-            for t, lp, top in zip(o.ids, o.logprobs, tops))
+        d.logprobs.extend(_logprobs_pb(zip(o.ids, o.logprobs, tops)))
+    if o.input_logprobs is not None:
+        d.input_logprobs.extend(_logprobs_pb(o.input_logprobs))
     if o.finish is not None:
         d.finish.CopyFrom(finish_to_pb(o.finish))
     if o.timings is not None:
@@ -59,6 +59,12 @@ def output_to_pb(o: ReqOutput) -> detokenizer_pb2.TokenDelta:
         d.timings.CopyFrom(common_pb2.Timings(to_scheduler_s=t.to_scheduler_s, queue_s=t.queue_s,
                                               prefill_s=t.prefill_s, decode_s=t.decode_s))
     return d
+
+
+def _logprobs_pb(entries) -> list[common_pb2.TokenLogprob]:
+    """(token id, logprob or None, top alternatives or None) -> TokenLogprobs."""
+    return [common_pb2.TokenLogprob(token_id=t, logprob=0.0 if lp is None else lp, top_logprobs=[
+        common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in (top or ())]) for t, lp, top in entries]
 
 
 def step_batch_pb(outs: list[ReqOutput], resync: bool = False) -> detokenizer_pb2.StepBatch:

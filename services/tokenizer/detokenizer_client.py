@@ -43,7 +43,8 @@ def delta_from_pb(pb: detokenizer_pb2.TextDelta) -> TextDeltaIn:
     return TextDeltaIn(rid=pb.rid, token_offset=pb.token_offset, ids=list(pb.ids), text_offset=pb.text_offset,
                        text=pb.text, logprobs=[logprob_from_pb(lp) for lp in pb.logprobs],
                        finish=finish_from_pb(pb.finish) if pb.HasField("finish") else None,
-                       prompt_tokens=pb.prompt_tokens, cached_tokens=pb.cached_tokens, timings=timings)
+                       prompt_tokens=pb.prompt_tokens, cached_tokens=pb.cached_tokens, timings=timings,
+                       input_logprobs=[logprob_from_pb(lp) for lp in pb.input_logprobs])
 
 
 class DetokenizerSubscriber:

@@ -59,6 +59,7 @@ class GenerateInput:
     top_logprobs_num: int = 0
     return_timings: bool = False
     model: str = ""
+    logprob_start_len: int = -1  # with return_logprob: score the prompt from here (-1: no)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class TokenizedReq:
     stream: bool
     return_logprob: bool
     top_logprobs_num: int
+    logprob_start_len: int = -1
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class TextDeltaIn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     timings: dict[str, float] | None = None
+    input_logprobs: list[Logprob] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +115,7 @@ class GenerateOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    input_logprobs: list[Logprob] = field(default_factory=list)  # the prompt's, on the first output
     finish: Finish | None = None
     e2e_latency: float = 0.0
     timings: dict[str, float] | None = None

@@ -27,6 +27,7 @@ class Chunk:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
+    input_logprobs: list[Logprob] = field(default_factory=list)  # the prompt's, in one chunk only
 
     def empty(self) -> bool:
         return not self.text and not self.ids
@@ -62,6 +63,7 @@ class ReqState:
     ring_hops_s: float = 0.0  # scheduler -> detokenizer -> tokenizer, summed over its messages
     first_token_at: float | None = None
     last_token_at: float | None = None
+    input_logprobs_seen: bool = False  # a resync may send them again: pass them on once
 
     @property
     def rid(self) -> str:
@@ -92,6 +94,9 @@ class ReqState:
             if fresh_text:
                 self.pending.text += fresh_text
                 self.num_chars += len(fresh_text)
+        if delta.input_logprobs and not self.input_logprobs_seen:
+            self.pending.input_logprobs = delta.input_logprobs
+            self.input_logprobs_seen = True
         if delta.prompt_tokens:
             self.prompt_tokens = delta.prompt_tokens
         if delta.cached_tokens:

@@ -38,7 +38,7 @@ def request_to_pb(req: TokenizedReq, sent_at: float) -> scheduler_pb2.TokenizedR
     return scheduler_pb2.TokenizedRequest(
         rid=req.rid, owner=req.owner, input_ids=req.input_ids, sampling_params=req.sampling.to_pb(),
         stream=req.stream, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-        sent_at=sent_at)
+        sent_at=sent_at, logprob_start_len=req.logprob_start_len if req.logprob_start_len >= 0 else None)
 
 
 def load_from_pb(pb: scheduler_pb2.LoadReport) -> LoadInfo:

@@ -57,7 +57,8 @@ def generate_from_pb(pb: api_pb2.GenerateRequest) -> GenerateInput:
         input_ids=list(pb.input_ids.ids) if which == "input_ids" else None,
         chat=chat_from_pb(pb.chat) if which == "chat" else None,
         sampling=sampling_from_pb(pb.sampling_params), stream=pb.stream, return_logprob=pb.return_logprob,
-        top_logprobs_num=pb.top_logprobs_num, return_timings=pb.return_timings, model=pb.model)
+        top_logprobs_num=pb.top_logprobs_num, return_timings=pb.return_timings, model=pb.model,
+        logprob_start_len=pb.logprob_start_len if pb.HasField("logprob_start_len") else -1)
 
 
 def output_to_pb(out: GenerateOutput) -> api_pb2.GenerateResponse:
@@ -69,13 +70,17 @@ def output_to_pb(out: GenerateOutput) -> api_pb2.GenerateResponse:
         meta.e2e_latency = out.e2e_latency
         if out.timings:
             meta.timings.CopyFrom(common_pb2.Timings(**{k: v for k, v in out.timings.items() if k in TIMING_FIELDS}))
-    logprobs = [common_pb2.TokenLogprob(
+    return api_pb2.GenerateResponse(rid=out.rid, index=out.index, text=out.text, output_ids=out.output_ids,
+                                    logprobs=_logprobs_pb(out.logprobs), finished=out.finished, meta_info=meta,
+                                    input_logprobs=_logprobs_pb(out.input_logprobs))
+
+
+def _logprobs_pb(lps: list[Logprob]) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(
         token_id=lp.token_id, logprob=lp.logprob, token=lp.token,
         top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=p, token=name)
                       for (t, p), name in zip(lp.top, lp.top_tokens or [""] * len(lp.top))])
-        for lp in out.logprobs]
-    return api_pb2.GenerateResponse(rid=out.rid, index=out.index, text=out.text, output_ids=out.output_ids,
-                                    logprobs=logprobs, finished=out.finished, meta_info=meta)
+        for lp in lps]
 
 
 def load_to_pb(view: SchedulerView) -> api_pb2.SchedulerLoad:

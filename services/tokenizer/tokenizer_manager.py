@@ -109,7 +109,8 @@ class TokenizerManager:
         states = [
             ReqState(req=TokenizedReq(rid=r, owner=self.owner, input_ids=prepared.input_ids, sampling=sp,
                                       stream=req.stream, return_logprob=req.return_logprob,
-                                      top_logprobs_num=req.top_logprobs_num),
+                                      top_logprobs_num=req.top_logprobs_num,
+                                      logprob_start_len=req.logprob_start_len if req.return_logprob else -1),
                      group=rid, index=i, scheduler=address, event=wakeup, created=arrived,
                      prompt_tokens=len(prepared.input_ids))
             for i, (r, sp) in enumerate(zip(rids, prepared.samplings))]
@@ -176,7 +177,8 @@ class TokenizerManager:
         out = GenerateOutput(rid=s.group, index=s.index, text=chunk.text, output_ids=chunk.ids,
                              logprobs=self._with_token_texts(chunk.logprobs) if req.return_logprob else [],
                              finished=finished, prompt_tokens=s.prompt_tokens,
-                             completion_tokens=s.num_ids, cached_tokens=s.cached_tokens)
+                             completion_tokens=s.num_ids, cached_tokens=s.cached_tokens,
+                             input_logprobs=self._with_token_texts(chunk.input_logprobs))
         if finished:
             now = time.monotonic()
             out.finish = s.finish

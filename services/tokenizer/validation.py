@@ -175,6 +175,9 @@ def check_request(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> No
     if req.top_logprobs_num > limits.max_top_logprobs:
         raise InvalidArgument("top_logprobs_num", f"must be at most {limits.max_top_logprobs}, "
                               f"got {req.top_logprobs_num}")
+    if req.logprob_start_len < -1:
+        raise InvalidArgument("logprob_start_len",
+                              f"must be -1 (none) or a prompt position, got {req.logprob_start_len}")
 
 
 def prepare(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> Prepared:

@@ -55,6 +55,40 @@ def test_openai_client_stream_equals_non_stream(stack: Stack) -> None:
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
+def test_echo_logprobs_score_the_prompt_as_transformers_does(stack: Stack, model_dir: str) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs=1, max_tokens=1) through all four services."""
+    import torch
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    tok = TextTokenizer.from_model(model_dir)
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)  # [n, V]
+    client = OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    stack.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})  # now the prompt is cached
+    for stream in (False, True):
+        kw = dict(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+        if stream:
+            parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+            lps = [x for p in parts for x in p.token_logprobs]
+            tops = [x for p in parts for x in p.top_logprobs]
+        else:
+            lp = client.completions.create(**kw).choices[0].logprobs
+            lps, tops = lp.token_logprobs, lp.top_logprobs
+        n = len(prompt)
+        assert len(lps) == n + 1 and lps[0] is None and tops[0] is None
+        want = [float(ref[i - 1, prompt[i]]) for i in range(1, n)] + [float(ref[n - 1].max())]
+        assert lps[1:] == pytest.approx(want, abs=1e-4)
+        assert all(len(t) == 1 for t in tops[1:])
+    # max_tokens=0: the prompt scored, nothing generated (OpenAI's legacy scoring request)
+    only = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0).choices[0]
+    assert only.logprobs.token_logprobs[1:] == pytest.approx(want[:-1], abs=1e-4)
+    assert only.text.endswith(tok.decode(prompt)) and only.finish_reason == "length"  # echo keeps <s>
+
+
 def test_closing_streams_frees_the_scheduler(stack: Stack) -> None:
     body = {"text": "cancel me", "stream": True,
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}

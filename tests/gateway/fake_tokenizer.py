@@ -13,6 +13,7 @@ anything else: max_new_tokens tokens (default 8) from WORDS, shifted by sample i
 from __future__ import annotations
 
 import asyncio
+import math
 from contextlib import aclosing
 import threading
 from dataclasses import dataclass, field
@@ -55,6 +56,20 @@ def prompt_of(req: pb.GenerateRequest) -> tuple[str, int]:
         return "", len(req.input_ids.ids)
     msgs = req.chat.messages
     return (msgs[-1].content if msgs else ""), sum(max(1, len(m.content.split())) for m in msgs) + 3
+
+
+def prompt_logprobs(req: pb.GenerateRequest) -> list[common_pb2.TokenLogprob]:
+    """What the tokenizer returns for logprob_start_len (token-id prompts only): NaN at position 0."""
+    if not (req.return_logprob and req.HasField("logprob_start_len")) or req.WhichOneof("input") != "input_ids":
+        return []
+    out = []
+    for pos, tid in enumerate(req.input_ids.ids[req.logprob_start_len:], start=req.logprob_start_len):
+        lp = common_pb2.TokenLogprob(token_id=tid, token=f"<{tid}>", logprob=math.nan if pos == 0 else -0.25 * pos)
+        if pos:
+            lp.top_logprobs.extend(common_pb2.TopLogprob(token_id=t, token=f"<{t}>", logprob=-0.5 * (t + 1))
+                                   for t in range(req.top_logprobs_num))
+        out.append(lp)
+    return out
 
 
 def plan_sample(req: pb.GenerateRequest, prompt: str, sample: int) -> Plan:
@@ -188,7 +203,8 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
                     await asyncio.sleep(30)  # a long non-streamed generation
                 for i, p in enumerate(plans):
                     msg = pb.GenerateResponse(rid=request.rid, index=i, finished=True,
-                                              text="".join(s.text for s in p.steps))
+                                              text="".join(s.text for s in p.steps),
+                                              input_logprobs=prompt_logprobs(request))
                     for s in p.steps:
                         msg.output_ids.extend(s.ids)
                         msg.logprobs.extend(s.logprobs)
@@ -213,7 +229,8 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
                 s = p.steps[k]
                 last = k == len(p.steps) - 1
                 msg = pb.GenerateResponse(rid=request.rid, index=i, text=s.text, output_ids=s.ids,
-                                          logprobs=s.logprobs, finished=last)
+                                          logprobs=s.logprobs, finished=last,
+                                          input_logprobs=prompt_logprobs(request) if k == 0 else [])
                 msg.meta_info.CopyFrom(self._meta(rids[i], prompt_tokens, k + 1,
                                                   p.finish if last else common_pb2.FinishReason()))
                 yield msg

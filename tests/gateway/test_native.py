@@ -30,6 +30,19 @@ def test_generate_single(http: httpx.Client, fake: FakeTokenizer) -> None:
     assert call.rid == "r1" and call.sampling_params.seed == 8 and list(call.sampling_params.stop) == ["zzz"]
 
 
+def test_generate_input_token_logprobs(http: httpx.Client, fake: FakeTokenizer) -> None:
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+            "top_logprobs_num": 1, "logprob_start_len": 0}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert fake.servicer.calls[-1].logprob_start_len == 0
+    assert meta["input_token_logprobs"] == [[None, 5, "<5>"], [-0.25, 6, "<6>"], [-0.5, 7, "<7>"]]
+    assert meta["input_top_logprobs"][0] is None and meta["input_top_logprobs"][1] == [[-0.5, 0, "<0>"]]
+    events = [json.loads(e) for e in sse(http.post("/generate", json=body | {"stream": True}).text)[:-1]]
+    assert all(e["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"] for e in events)
+    plain = http.post("/generate", json=body | {"logprob_start_len": -1}).json()["meta_info"]
+    assert "input_token_logprobs" not in plain and not fake.servicer.calls[-1].HasField("logprob_start_len")
+
+
 def test_generate_batch_and_stop(http: httpx.Client) -> None:
     r = http.post("/generate", json={"input_ids": [[1, 2], [3]], "sampling_params": [
         {"max_new_tokens": 2}, {"max_new_tokens": 9, "stop": [" héllo"]}]})

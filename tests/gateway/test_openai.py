@@ -41,12 +41,24 @@ def test_completion_stream_equals_plain(client: openai.OpenAI) -> None:
     assert full.usage.prompt_tokens == 3  # once per prompt, not per sample
 
 
-def test_completion_token_prompts_echo_logprobs(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt=[[5, 6], [7]], max_tokens=3, echo=True, logprobs=2)
+def test_completion_token_prompts_echo_logprobs(client: openai.OpenAI, fake: FakeTokenizer) -> None:
+    # Echo with logprobs scores the prompt too, as lm-eval's loglikelihood expects: prompt tokens
+    # first (the first one null), then the output's, offsets across the whole echoed text.
+    kw = dict(model=MODEL, prompt=[[5, 6], [7]], max_tokens=3, echo=True, logprobs=2)
+    r = client.completions.create(**kw)
+    assert fake.servicer.calls[-1].logprob_start_len == 0
     assert r.choices[0].text.startswith("<5><6>") and r.choices[1].text.startswith("<7>")
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and len(lp.top_logprobs[0]) == 2
-    assert lp.text_offset[0] == len("<5><6>")
+    assert lp.tokens[:2] == ["<5>", "<6>"] and len(lp.tokens) == 5 and len(lp.token_logprobs) == 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1] == -0.25 and len(lp.top_logprobs[1]) == 2 and len(lp.top_logprobs[2]) == 2
+    assert lp.text_offset[:3] == [0, 3, len("<5><6>")]
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].index == 0]
+    assert sum((x.token_logprobs for x in streamed), []) == lp.token_logprobs
+    assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=3, logprobs=2)
+    assert not fake.servicer.calls[-1].HasField("logprob_start_len") and len(plain.choices[0].logprobs.tokens) == 3
 
 
 def test_chat_plain_and_stream(client: openai.OpenAI, fake: FakeTokenizer) -> None:

@@ -9,6 +9,7 @@ that test threads can wait on without sleeping.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -169,6 +170,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 token_id=t, logprob=-0.5,
                 top_logprobs=[common_pb2.TopLogprob(token_id=t + k, logprob=-0.5 - k)
                               for k in range(req.top_logprobs_num)]) for t in ids)
+        if req.HasField("logprob_start_len") and start == 0:  # with the first delta, and every resend
+            d.input_logprobs.extend(
+                common_pb2.TokenLogprob(token_id=t, logprob=math.nan if pos == 0 else -1.0, top_logprobs=[
+                    common_pb2.TopLogprob(token_id=t + k, logprob=-1.0 - k) for k in range(req.top_logprobs_num)])
+                for pos, t in enumerate(req.input_ids) if pos >= req.logprob_start_len)
         if last:
             d.finish.CopyFrom(common_pb2.FinishReason(type="length"))
             d.timings.CopyFrom(common_pb2.Timings(queue_s=0.001, decode_s=0.01))

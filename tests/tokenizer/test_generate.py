@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import pytest
 
@@ -154,6 +156,24 @@ def test_resync_duplicates_do_not_duplicate_text(ring, client):
     assert msgs[-1].meta_info.completion_tokens == 12
 
 
+@pytest.mark.parametrize("resend", [False, True])
+def test_prompt_logprobs_come_once_with_token_texts(ring, client, resend):
+    ring.options.resend_from_zero = resend  # resync re-sends them: the client still gets them once
+    ids = prompt_ids(ring)
+    req = gen_request(rid=f"pl{resend}", max_new_tokens=4, return_logprob=True, top_logprobs_num=1, logprob_start_len=0)
+    msgs = list(client.Generate(req, timeout=10))
+    assert ring.recorder.requests[-1].logprob_start_len == 0
+    firsts = [m for m in msgs if m.input_logprobs]
+    assert len(firsts) == 1 and firsts[0] is msgs[0]
+    lps = firsts[0].input_logprobs
+    assert [lp.token_id for lp in lps] == ids and math.isnan(lps[0].logprob) and lps[1].logprob == -1.0
+    assert [lp.token for lp in lps] == ring.tokenizer.token_texts(ids)
+    assert lps[1].top_logprobs[0].token == ring.tokenizer.token_texts([ids[1]])[0]
+    # Without return_logprob nothing is scored (SGLang's rule), and nothing reaches the scheduler.
+    list(client.Generate(gen_request(rid=f"np{resend}", max_new_tokens=2, logprob_start_len=0), timeout=10))
+    assert not ring.recorder.requests[-1].HasField("logprob_start_len")
+
+
 BAD = [
     ("sampling_params.temperature", dict(sampling_params=common_pb2.SamplingParams(temperature=-1))),
     ("sampling_params.top_p", dict(sampling_params=common_pb2.SamplingParams(top_p=0))),
@@ -165,6 +185,7 @@ BAD = [
     ("text", dict(text="")),
     ("input_ids", dict(input_ids=api_pb2.TokenIds(ids=[1, 99999]))),
     ("top_logprobs_num", dict(top_logprobs_num=21, return_logprob=True)),
+    ("logprob_start_len", dict(logprob_start_len=-2, return_logprob=True)),
     ("input", dict()),
 ]
 

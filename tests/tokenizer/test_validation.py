@@ -60,6 +60,7 @@ CASES = [
     ("sampling_params.regex", dict(sampling=dict(regex="a", ebnf="root ::= x"))),
     ("sampling_params.max_new_tokens", dict(sampling=dict(max_new_tokens=46))),
     ("top_logprobs_num", dict(top_logprobs_num=4)),
+    ("logprob_start_len", dict(logprob_start_len=-2)),
     ("text", dict(text="")),
     ("text", dict(text="x" * 50)),
     ("input_ids", dict(text=None, input_ids=[])),
