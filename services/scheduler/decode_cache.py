@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.cpu_kernels import SharedKV
-from services.scheduler.memory_pool import TokenToKVPool, doubled
+from services.scheduler.memory_pool import TokenToKVPool, doubled, rounded
 from services.scheduler.shared_prefix import MIN_SHARED, SharedPrefixes
 
 MIN_BUDGET = 1 << 30   # bytes the dense rows may take at least ...
@@ -119,8 +119,9 @@ class DenseDecodeCache:
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
         # Doubling when it fits the budget (few regrowths), else just what this batch needs.
-        for new_b, new_l in ((doubled(b_cap, batch_size, 8), doubled(l_cap, kv_len, 64)),
-                             (max(b_cap, -(-batch_size // 8) * 8), max(l_cap - 16, -(-kv_len // 64) * 64))):
+        doubling = (doubled(b_cap, batch_size, 8), doubled(l_cap, kv_len, 64))
+        tight = (max(b_cap, rounded(batch_size, 8)), max(l_cap - 16, rounded(kv_len, 64)))  # l_cap has the +16
+        for new_b, new_l in (doubling, tight):
             # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
             # (measured: 1.4 against 1.17 ms per layer at L=600).
             new_l = min(new_l, max(self.max_context_len, kv_len)) + 16

@@ -23,6 +23,11 @@ def doubled(cap: int, need: int, floor: int) -> int:
     return new
 
 
+def rounded(need: int, multiple: int) -> int:
+    """need rounded up to a multiple of `multiple`."""
+    return -(-need // multiple) * multiple
+
+
 class ReqToTokenPool:
     """Rows of KV slot indices, one per running request."""
 
