@@ -198,8 +198,11 @@ def completion_logprobs(lps: list[common_pb2.TokenLogprob], start_offset: int) -
 
 def echo_logprobs(prompt: list[common_pb2.TokenLogprob], output: list[common_pb2.TokenLogprob],
                   echo_len: int) -> dict[str, Any]:
-    """Completions with echo: the prompt's tokens (offsets from 0), then the output's (from echo_len)."""
+    """Completions with echo: the prompt's tokens, then the output's (offsets from echo_len). The
+    prompt's offsets end where the echoed text does: a BOS token the text does not show sits at 0."""
     head, tail = completion_logprobs(prompt, 0), completion_logprobs(output, echo_len)
+    shift = echo_len - sum(len(lp.token) for lp in prompt)
+    head["text_offset"] = [max(0, o + shift) for o in head["text_offset"]]
     return {k: head[k] + tail[k] for k in head}
 
 

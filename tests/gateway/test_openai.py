@@ -146,3 +146,16 @@ def test_auth(gateway: str) -> None:
                             default_headers={} if key else {"Authorization": ""})
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+
+
+def test_echo_offsets_end_where_the_echoed_text_does() -> None:
+    """A text prompt's BOS is a logprobs token but not echoed text: the prompt's offsets are aligned
+    to the text's end, the BOS at 0, and the output's follow the text."""
+    from gateway.convert import echo_logprobs
+    from ringserve.v1 import common_pb2
+
+    def lps(*tokens: str) -> list:
+        return [common_pb2.TokenLogprob(token=t, logprob=-1.0) for t in tokens]
+    out = echo_logprobs(lps("<s>", "Hel", "lo", " wor", "ld"), lps("!", "?"), len("Hello world"))
+    assert out["text_offset"] == [0, 0, 3, 5, 9, 11, 12]
+    assert out["tokens"] == ["<s>", "Hel", "lo", " wor", "ld", "!", "?"]
