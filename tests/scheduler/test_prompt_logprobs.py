@@ -84,6 +84,23 @@ def test_cached_chunked_and_partial_prompts_are_scored_the_same(model_dir: str, 
     assert all(r.input_logprobs == [] for r in plain)
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
+def test_scored_once_through_retraction_and_mixed_steps(model_dir: str, prompts, reference, mixed: bool) -> None:
+    """A pool too small for all of them: requests are retracted (some mid-prefill) and recomputed,
+    with 16-token chunks (and decode rows inside the prefill steps with mixed chunks); every prompt
+    is still scored once, position by position."""
+    many = [p for p in prompts for _ in range(6)]
+    refs = [r for r in reference for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", max_total_tokens=max(map(len, prompts)) + 160,
+                                 chunked_prefill_size=16, enable_mixed_chunk=mixed))
+    results = engine.generate(many, params, return_logprob=True, top_logprobs_num=TOP, logprob_start_len=0)
+    assert engine.scheduler.stats.retractions > 0
+    for p, ref, res in zip(many, refs, results):
+        _check(p, ref, res.input_logprobs, 0)
+        assert len(res.output_ids) == 24
+
+
 def test_logit_rows_cover_the_unscored_positions_of_each_chunk() -> None:
     req = Req(rid="a", origin_input_ids=list(range(10)), params=GREEDY, logprob_start_len=0)
     prompt_logprobs.seed(req)
