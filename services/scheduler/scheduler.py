@@ -84,10 +84,9 @@ class Scheduler:
                 self.finish(req, failed)
             else:
                 self.waiting.append(req)
-        if self._decode_next and self.running:
-            batch = self.schedule_decode() or self.schedule_prefill()
-        else:
-            batch = self.schedule_prefill() or self.schedule_decode()
+        first, then = ((self.schedule_decode, self.schedule_prefill) if self._decode_next and self.running
+                       else (self.schedule_prefill, self.schedule_decode))
+        batch = first() or then()
         self._decode_next = self.decode_interleave and batch is not None and batch.is_prefill
         if batch is not None:
             t0 = time.monotonic()
@@ -209,7 +208,6 @@ class Scheduler:
             still_running = []
             self.stats.decode_s += elapsed
             self.stats.decode_rows += len(batch.reqs)
-        emit = self._emit
         for row, token in zip(batch.sample_rows, next_ids):
             req = batch.reqs[row]
             if req.params.max_new_tokens == 0:  # a prompt scored, nothing generated (SGLang, OpenAI echo)
@@ -225,7 +223,7 @@ class Scheduler:
             # Every stream_interval tokens; the first token at once (TTFT), the finish above.
             unsent = len(req.output_ids) - req.sent_offset
             if req.stream and (req.sent_offset == 0 or unsent >= self.stream_interval):
-                emit.append(make_output(req))
+                self._emit.append(make_output(req))
         self.stats.generated_tokens += len(next_ids)
         self.running = still_running
 
