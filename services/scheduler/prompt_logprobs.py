@@ -21,6 +21,13 @@ from services.scheduler.req import Req
 
 NO_LOGPROB = math.nan  # position 0: no token before it to predict it
 SLICE_ROWS = 512  # log-softmax this many positions at a time: a chunk's [T, V] is not copied whole
+LOGIT_BYTES = 256 << 20  # per prefill step, the scored positions' logits (float32) at most: chunks are cut to fit
+MIN_ROWS = 64
+
+
+def rows_budget(vocab_size: int) -> int:
+    """How many scored positions one prefill step may hold logits for (a 128k vocabulary: 512)."""
+    return max(MIN_ROWS, LOGIT_BYTES // (4 * max(1, vocab_size)))
 
 
 def seed(req: Req) -> None:

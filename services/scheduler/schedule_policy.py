@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from services.scheduler import prompt_logprobs
 from services.scheduler.kv_manager import KVManager
 from services.scheduler.radix_cache import _common_len
 from services.scheduler.req import Req
@@ -70,8 +71,11 @@ AddResult = Literal["added", "chunked", "stop", "defer"]
 
 class PrefillAdder:
     def __init__(self, kv: KVManager, running: list[Req], max_prefill_tokens: int,
-                 chunked_prefill_size: int, max_running_requests: int, new_token_ratio: float) -> None:
+                 chunked_prefill_size: int, max_running_requests: int, new_token_ratio: float,
+                 vocab_size: int = 0) -> None:
         self.kv = kv
+        # Requests scoring their prompt keep logits for every new position: [rows, vocab] floats.
+        self.rem_scored = prompt_logprobs.rows_budget(vocab_size)
         self.ratio = new_token_ratio
         self.running_empty = not running
         self.rem_total = kv.available() - sum(reserved_tokens(r, new_token_ratio) for r in running)
@@ -103,8 +107,11 @@ class PrefillAdder:
             prefix_len = req.kv_len
         extend = len(req.fill_ids) - prefix_len
         budget = self.rem_input if self.rem_chunk is None else min(self.rem_input, self.rem_chunk)
+        scored = prompt_logprobs.wants(req)
+        if scored:
+            budget = min(budget, self.rem_scored)
         first = not self.reqs
-        if extend <= budget or (first and self.rem_chunk is None):
+        if extend <= budget or (first and self.rem_chunk is None and not scored):
             need = extend + reserved_tokens(req, self.ratio)
             # With nothing running and nothing taken, only the prompt itself must fit: progress is
             # always possible for a request that fits the pool at all.
@@ -112,7 +119,7 @@ class PrefillAdder:
             if not fits:
                 return "stop"
             take, result = extend, "added"
-        elif self.rem_chunk is None:
+        elif self.rem_chunk is None and not scored:
             return "stop"  # over the prefill budget and not first: next step
         else:
             take = min(budget, self.rem_total)
@@ -134,6 +141,8 @@ class PrefillAdder:
         self.rem_total -= (before - self.kv.available()) + (
             reserved_tokens(req, self.ratio) if result == "added" else 0)
         self.rem_input -= take
+        if scored:
+            self.rem_scored -= take
         if self.rem_chunk is not None:
             self.rem_chunk -= take
         self.can_run -= 1

@@ -103,7 +103,7 @@ class Scheduler:
             return None
         order_waiting(self.waiting, self.policy, self.kv)
         adder = PrefillAdder(self.kv, self.running, self.max_prefill_tokens, self.chunked_prefill_size,
-                             self.max_running, self.new_token_ratio)
+                             self.max_running, self.new_token_ratio, self.runner.vocab_size)
         if self.chunked is not None:
             req = self.chunked
             if adder.add(req) != "chunked" and adder.reqs and adder.reqs[-1] is req:

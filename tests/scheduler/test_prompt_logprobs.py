@@ -101,6 +101,18 @@ def test_scored_once_through_retraction_and_mixed_steps(model_dir: str, prompts,
         assert len(res.output_ids) == 24
 
 
+def test_scored_positions_per_step_are_bounded(model_dir: str, prompts, reference,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scoring request keeps logits for each new position ([rows, vocab]): its prefill is cut to the
+    step's row budget even with chunked prefill off (a 128k vocabulary: 512 rows a step)."""
+    assert prompt_logprobs.rows_budget(131_072) == 512 and prompt_logprobs.rows_budget(4096) == 16384
+    monkeypatch.setattr(prompt_logprobs, "LOGIT_BYTES", 0)  # MIN_ROWS (64) a step
+    engine = _engine(model_dir, chunked_prefill_size=0)
+    (res,) = engine.generate(prompts[2:], GREEDY, return_logprob=True, top_logprobs_num=TOP, logprob_start_len=0)
+    _check(prompts[2], reference[2], res.input_logprobs, 0)
+    assert engine.scheduler.stats.prefill_steps == 2  # 97 positions: 64, then 33
+
+
 def test_logit_rows_cover_the_unscored_positions_of_each_chunk() -> None:
     req = Req(rid="a", origin_input_ids=list(range(10)), params=GREEDY, logprob_start_len=0)
     prompt_logprobs.seed(req)
