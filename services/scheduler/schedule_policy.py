@@ -101,7 +101,8 @@ class PrefillAdder:
                 return "stop"
             self.kv.match(req)  # always fresh: an older match may point at evicted slots
             prefix_len = _prefix_len(req)
-            if self._shares_uncached_prefix(req, prefix_len):
+            # A request scoring its prompt could not take the shared part from the cache anyway.
+            if not prompt_logprobs.wants(req) and self._shares_uncached_prefix(req, prefix_len):
                 return "defer"
         else:
             prefix_len = req.kv_len

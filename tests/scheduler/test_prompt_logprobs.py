@@ -86,19 +86,19 @@ def test_cached_chunked_and_partial_prompts_are_scored_the_same(model_dir: str, 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
 def test_scored_once_through_retraction_and_mixed_steps(model_dir: str, prompts, reference, mixed: bool) -> None:
-    """A pool too small for all of them: requests are retracted (some mid-prefill) and recomputed,
-    with 16-token chunks (and decode rows inside the prefill steps with mixed chunks); every prompt
-    is still scored once, position by position."""
+    """A pool too small for all of them: requests are retracted and recomputed, with 16-token chunks
+    (and decode rows inside the prefill steps with mixed chunks); every prompt is still scored once,
+    position by position."""
     many = [p for p in prompts for _ in range(6)]
     refs = [r for r in reference for _ in range(6)]
-    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
     engine = Engine(EngineConfig(model=model_dir, device="cpu", max_total_tokens=max(map(len, prompts)) + 160,
                                  chunked_prefill_size=16, enable_mixed_chunk=mixed))
     results = engine.generate(many, params, return_logprob=True, top_logprobs_num=TOP, logprob_start_len=0)
     assert engine.scheduler.stats.retractions > 0
     for p, ref, res in zip(many, refs, results):
         _check(p, ref, res.input_logprobs, 0)
-        assert len(res.output_ids) == 24
+        assert len(res.output_ids) == 64
 
 
 def test_scored_positions_per_step_are_bounded(model_dir: str, prompts, reference,
@@ -111,6 +111,15 @@ def test_scored_positions_per_step_are_bounded(model_dir: str, prompts, referenc
     (res,) = engine.generate(prompts[2:], GREEDY, return_logprob=True, top_logprobs_num=TOP, logprob_start_len=0)
     _check(prompts[2], reference[2], res.input_logprobs, 0)
     assert engine.scheduler.stats.prefill_steps == 2  # 97 positions: 64, then 33
+
+
+def test_requests_scoring_the_same_prompt_prefill_together(model_dir: str, prompts, reference) -> None:
+    """lm-eval sends one context with several continuations: a scoring request cannot reuse what
+    another computes, so it is not held back a step to wait for the cache."""
+    engine = _engine(model_dir)
+    results = engine.generate([prompts[2]] * 8, GREEDY, return_logprob=True, logprob_start_len=0)
+    assert engine.scheduler.stats.prefill_steps == 1
+    assert all(r.input_logprobs == results[0].input_logprobs for r in results)
 
 
 def test_logit_rows_cover_the_unscored_positions_of_each_chunk() -> None:
