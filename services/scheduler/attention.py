@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.cpu_kernels import NativeKernels
+from services.scheduler.cpu_kernels import DecodeLayout, NativeKernels
 from services.scheduler.decode_cache import DecodeRows, DenseDecodeCache
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -46,6 +46,7 @@ class SDPAMetadata:
     batch_size: int = 0
     q_len: int = 1                           # Lq: longest new span
     dense_rows: DecodeRows | None = None     # DECODE on CPU: the batch's rows in the dense decode cache
+    layout: DecodeLayout | None = None       # ... and as the C kernels read them
     # A mixed step (mixed.py): the prefill part's and the decode part's metadata, and where the
     # decode tokens start in [T].
     parts: tuple[SDPAMetadata, SDPAMetadata, int] | None = None
@@ -88,10 +89,14 @@ class TorchSDPABackend:
         if batch.mode == ForwardMode.DECODE:
             rows = (self.dense.prepare(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)
                     if self.dense is not None else None)
-            if rows is not None:  # the C kernel reads each row's own length: no mask
-                mask = (None if self.native is not None else
-                        decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype))
-                return SDPAMetadata(is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None, mask=mask,
+            if rows is not None and self.native is not None:  # the C kernel reads each row's own length
+                assert self.dense is not None
+                return SDPAMetadata(is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None, mask=None,
+                                    batch_size=bs, dense_rows=rows,
+                                    layout=self.dense.layout(rows, batch.out_cache_loc))
+            if rows is not None:
+                return SDPAMetadata(is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None,
+                                    mask=decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype),
                                     batch_size=bs, dense_rows=rows)
             return SDPAMetadata(
                 is_decode=True, out_cache_loc=batch.out_cache_loc,
@@ -131,6 +136,8 @@ class TorchSDPABackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         md = self.metadata
+        if md.layout is not None:  # a decode step on the C kernels: pool and dense rows written in one pass
+            return self._decode_native(q, k, v, layer_id, md, write_pool=True)
         self.kv_pool.set_kv_buffer(layer_id, md.out_cache_loc, k, v)
         if md.parts is not None:
             ext_md, dec_md, t = md.parts
@@ -140,6 +147,8 @@ class TorchSDPABackend:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 md: SDPAMetadata) -> torch.Tensor:
+        if md.layout is not None:  # the decode part of a mixed step: the pool is written
+            return self._decode_native(q, k, v, layer_id, md, write_pool=False)
         if md.dense_rows is not None:
             return self._decode_dense(q, k, v, layer_id, md)
         if md.is_decode:
@@ -168,6 +177,20 @@ class TorchSDPABackend:
         out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=md.mask, scale=self.scaling)
         return out.reshape(bs, -1)  # [B, Hq * D]
 
+    def _decode_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, md: SDPAMetadata,
+                       write_pool: bool) -> torch.Tensor:
+        # One pass over each row's own keys (no padding, no mask, no gather into row order): ~2x the
+        # matmul pair of the torch path.
+        assert self.dense is not None and self.native is not None and md.layout is not None
+        bs = q.shape[0]
+        k_buf, v_buf = self.dense.buffers(layer_id)
+        self.native.store_kv(k, v, md.layout, k_buf, v_buf,
+                             self.kv_pool.get_kv_buffer(layer_id) if write_pool else None)
+        scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
+        out = self.native.decode_attention(q.view(bs, self.num_kv_heads, self.group, self.head_dim), k_buf, v_buf,
+                                           md.layout, scale, self.dense.prefix_buffers(layer_id))
+        return out.view(bs, -1)  # [B, Hq * D]
+
     def _decode_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                       md: SDPAMetadata) -> torch.Tensor:
         rows, bs = md.dense_rows, q.shape[0]
@@ -175,12 +198,6 @@ class TorchSDPABackend:
         self.dense.write(layer_id, rows, k, v)
         q_rows = q.view(bs, self.num_kv_heads, self.group, self.head_dim)[rows.inv]  # [B, Hkv, G, D]
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
-        if self.native is not None:
-            # One pass over each row's own keys (no padding, no mask): ~2x the matmul pair below.
-            k_buf, v_buf = self.dense.buffers(layer_id)
-            out = self.native.decode_attention(q_rows.to(k_buf.dtype), k_buf, v_buf, rows.seq_lens_rows, scale,
-                                               self.dense.shared_kv(layer_id, rows))
-            return out[rows.rows].reshape(bs, -1)
         k_t, v_all = self.dense.kv(layer_id, rows)  # K^T [B, Hkv, D, L], V [B, Hkv, L, D], row order
         # Plain matmuls, not SDPA: with one query per head and strided K/V rows, CPU SDPA's flash
         # kernel is about 2x slower (measured 1.28 vs 0.65 ms per layer at B=64, L=300).

@@ -1,99 +1,92 @@
-"""Native CPU kernels (csrc/*.c, one library), compiled on first use with the system C compiler, called
-via ctypes: attention (decode and prefill) and the fused elementwise steps of a layer (rotary, SiLU gate).
+"""Native CPU kernels (csrc/*.c, built by kernel_build.py), called via ctypes: attention (decode and
+prefill), a decode step's K/V store, the fused elementwise steps of a layer (rotary, SiLU gate, the
+residual add with its RMSNorm) and greedy argmax.
 
-Plain C over raw pointers: no torch headers, so a build takes about a second, and no Python
-extension ABI to match. `load()` returns None when there is no compiler (a slim image) or the build
-fails, and callers keep their torch path. Builds are cached by source, flags and CPU (they use
--march=native), written under a temporary name and renamed, so concurrent schedulers never load a
-half-written library. ctypes releases the GIL for the call.
+`load()` returns None when there is no compiler (a slim image) or the build fails, and callers keep
+their torch path. ctypes releases the GIL for the call. The C code trusts its pointers and sizes, so
+the wrappers check them, where a mistake is an exception; what every layer of a decode step shares
+(where each request's keys are) is checked once per step, in `decode_layout`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-LDFLAGS = ["-shared", "-fopenmp"]
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+from services.scheduler.kernel_build import build
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-def _cpu_id() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
-def cache_dir(configured: str | None = None) -> Path:
-    """`configured` (--kernel-cache), else ~/.cache/ringserve/kernels; a temp dir if not writable."""
-    path = Path(configured) if configured else Path.home() / ".cache" / "ringserve" / "kernels"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:
-        return Path(tempfile.gettempdir())
+@dataclass(frozen=True)
+class DecodeLayout:
+    """A decode step's requests in the dense decode cache (decode_cache.py), checked once for every
+    layer's calls. Request b (batch order) lives in dense row rows[b]; its new token goes to position
+    new_pos[b] of that row and to KV pool slot loc[b]. Dense row r holds lens[r] keys, the first plen[r]
+    of them in shared prefix entry[r] (entry None: no shared prefixes). All int64, contiguous."""
+    rows: torch.Tensor                 # [B]
+    lens: torch.Tensor                 # [R]
+    l_cap: int                         # positions per dense row's buffer
+    new_pos: torch.Tensor | None = None  # [B]
+    loc: torch.Tensor | None = None      # [B]
+    entry: torch.Tensor | None = None    # [R]
+    plen: torch.Tensor | None = None     # [R]
+    p_cap: int = 0                     # positions per shared prefix buffer
+    entries: int = 0                   # shared prefix buffers in use
 
 
-def build(sources: tuple[Path, ...] = SOURCES, cache: str | None = None) -> Path | None:
-    """The shared library compiled from `sources` (cached), or None if it cannot be built here."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("no C compiler: native CPU kernels off")
-        return None
-    parts = [*(f.read_bytes() for f in sources), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_id().encode(),
-             platform.machine().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    out = cache_dir(cache) / f"ringserve-kernels-{key}.so"
-    if out.exists():
-        return out
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    objs = [tmp.with_name(f"{tmp.name}.{f.stem}.o") for f in sources]
-    try:
-        # Compile and link apart: linking with -ffast-math adds crtfastmath.o, whose constructor
-        # turns on flush-to-zero for the whole process the moment the library is loaded.
-        for src, obj in zip(sources, objs):
-            subprocess.run([cc, *CFLAGS, "-c", "-o", str(obj), str(src)], check=True, capture_output=True,
-                           timeout=120)
-        subprocess.run([cc, *LDFLAGS, "-o", str(tmp), *map(str, objs), "-lm"], check=True, capture_output=True,
-                       timeout=120)
-        os.replace(tmp, out)
-    except (OSError, subprocess.SubprocessError) as e:
-        err = getattr(e, "stderr", b"") or b""
-        log.warning("building %s failed (%s); native CPU kernels off. %s", out.name, e,
-                    err.decode(errors="replace")[-500:])
-        tmp.unlink(missing_ok=True)
-        return None
-    finally:
-        for obj in objs:
-            obj.unlink(missing_ok=True)
-    log.info("built %s", out)
-    return out
+def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = None,
+                  new_pos: torch.Tensor | None = None, loc: torch.Tensor | None = None, pool_size: int = 0,
+                  entry: torch.Tensor | None = None, plen: torch.Tensor | None = None, p_cap: int = 0,
+                  entries: int = 0) -> DecodeLayout:
+    """Check where each request's keys are against the buffers' capacities (rows None: request b in
+    dense row b; pool_size: slots of the KV pool, for loc)."""
+    lens = lens.contiguous()
+    rows = torch.arange(len(lens), dtype=torch.int64) if rows is None else rows.contiguous()
+    for t in (lens, rows, new_pos, loc, entry, plen):
+        assert t is None or (t.dtype == torch.int64 and t.device.type == "cpu" and t.dim() == 1)
+    assert len(rows) >= 1 and 0 <= int(rows.min()) and int(rows.max()) < len(lens)
+    own = lens
+    if entry is not None:
+        assert plen is not None and entry.shape == plen.shape == lens.shape
+        entry, plen = entry.contiguous(), plen.contiguous()
+        assert 0 <= int(plen.min()) and int(plen.max()) <= p_cap
+        has = plen > 0
+        assert bool(((entry >= 0) & (entry < entries))[has].all())
+        own = lens - plen
+    assert 1 <= int(own[rows].min()) and int(own[rows].max()) <= l_cap
+    if new_pos is not None:
+        assert new_pos.shape == rows.shape and 0 <= int(new_pos.min()) and int(new_pos.max()) < l_cap
+        new_pos = new_pos.contiguous()
+    if loc is not None:
+        assert loc.shape == rows.shape and 0 <= int(loc.min()) and int(loc.max()) < pool_size
+        loc = loc.contiguous()
+    return DecodeLayout(rows, lens, l_cap, new_pos, loc, entry, plen, p_cap if entry is not None else 0,
+                        entries)
 
 
-@dataclass
-class SharedKV:
-    """Shared prompt prefixes for decode attention: kt [E, H, D, Pcap] (K^T) and v [E, H, Pcap, D] hold
-    E prefixes; row b reads its first plen[b] keys from prefix entry[b] ([B] int64 each; plen 0: none)."""
-    kt: torch.Tensor
-    v: torch.Tensor
-    entry: torch.Tensor
-    plen: torch.Tensor
+def _check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int) -> None:
+    for t in (kt_buf, v_buf):
+        assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    assert kt_buf.shape[0] >= rows and kt_buf.shape[1:] == (h, d, l_cap)
+    assert v_buf.shape == (kt_buf.shape[0], h, l_cap, d)
+
+
+def _rows_of_heads(x: torch.Tensor) -> None:
+    """x: [B, ...]: each row's trailing dims contiguous, rows at any stride (no tensor op: per layer)."""
+    assert x.dtype == torch.float32 and x.device.type == "cpu"
+    step = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        assert size == 1 or stride == step
+        step *= size
+    assert x.shape[0] <= 1 or x.stride(0) >= step
 
 
 class NativeKernels:
@@ -101,63 +94,68 @@ class NativeKernels:
 
     def __init__(self, lib_path: Path) -> None:
         lib = ctypes.CDLL(str(lib_path))
-        self._decode = lib.decode_attention_f32
-        self._decode.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int,
-                                 _P, _P, _P, _P, _I]
-        self._decode.restype = ctypes.c_int
-        self._extend = lib.extend_attention_f32
-        self._extend.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
-        self._extend.restype = ctypes.c_int
-        self._rope = lib.rope_f32
-        self._rope.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
-        self._rope.restype = None
-        self._silu_mul = lib.silu_mul_f32
-        self._silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
-        self._silu_mul.restype = None
+        self._decode = self._fn(lib.decode_attention_f32, ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I,
+                                                                         _I, _I, _I, _F, ctypes.c_int, _P, _P, _P,
+                                                                         _P, _I])
+        self._extend = self._fn(lib.extend_attention_f32, ctypes.c_int,
+                                [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int])
+        self._store = self._fn(lib.store_kv_f32, None, [_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I])
+        self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
+        self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
+        self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int])
+        self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
 
     @staticmethod
-    def _check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int) -> int:
-        # The C code trusts its pointers and sizes: check them here, where a mistake is an exception.
-        l_cap = v_buf.shape[2]
-        for t in (kt_buf, v_buf):
-            assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-        assert kt_buf.shape == (kt_buf.shape[0], h, d, l_cap) and v_buf.shape == (kt_buf.shape[0], h, l_cap, d)
-        return l_cap
+    def _fn(f, restype, argtypes):
+        f.argtypes, f.restype = argtypes, restype
+        return f
 
     @staticmethod
     def _scratch(g: int, length: int) -> tuple[torch.Tensor, int]:
         threads = torch.get_num_threads()  # the forward's own threads (set_num_threads / --num-threads)
         return torch.empty(threads * g * length, dtype=torch.float32), threads
 
-    def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, lens: torch.Tensor,
-                         scale: float, shared: SharedKV | None = None) -> torch.Tensor:
-        """q: [B, H, G, D] float32; kt_buf: K^T [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], both
-        contiguous float32 on CPU; lens: [B] int64 keys per row. Without `shared` a row's keys are its
-        own buffer's [0, lens[b]); with it, the first shared.plen[b] come from prefix entry
-        shared.entry[b] and the rest from the row's own buffer from index 0. Returns [B, H, G, D]."""
+    def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, layout: DecodeLayout,
+                         scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
+        [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous float32 on CPU; prefix: the shared
+        prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. Returns
+        [B, H, G, D] in batch order."""
         b, h, g, d = q.shape
-        l_cap = self._check_kv(kt_buf, v_buf, h, d)
-        assert q.dtype == torch.float32 and kt_buf.shape[0] >= b
-        assert lens.shape == (b,) and lens.dtype == torch.int64
-        ptrs, p_cap, own = [None] * 4, 0, lens
-        if shared is not None:
-            p_cap = self._check_kv(shared.kt, shared.v, h, d)
-            assert shared.entry.shape == shared.plen.shape == (b,)
-            assert shared.entry.dtype == shared.plen.dtype == torch.int64
-            has = shared.plen > 0
-            assert int(shared.plen.min()) >= 0 and int(shared.plen.max()) <= p_cap
-            assert bool(((shared.entry >= 0) & (shared.entry < shared.kt.shape[0]))[has].all())
-            own = lens - shared.plen
-            entry, plen = shared.entry.contiguous(), shared.plen.contiguous()
-            ptrs = [shared.kt.data_ptr(), shared.v.data_ptr(), entry.data_ptr(), plen.data_ptr()]
-        assert 1 <= int(own.min()) and int(own.max()) <= l_cap
-        q, lens = q.contiguous(), lens.contiguous()
-        out = torch.empty_like(q)
-        scratch, threads = self._scratch(g, p_cap + l_cap)
-        if self._decode(q.data_ptr(), kt_buf.data_ptr(), v_buf.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                        scratch.data_ptr(), b, h, g, d, l_cap, scale, threads, *ptrs, p_cap) != 0:
+        _rows_of_heads(q)
+        assert b == len(layout.rows)
+        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap)
+        ptrs: list[int | None] = [None] * 4
+        if layout.entry is not None:
+            assert prefix is not None
+            _check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap)
+            ptrs = [prefix[0].data_ptr(), prefix[1].data_ptr(), layout.entry.data_ptr(), layout.plen.data_ptr()]
+        out = q.new_empty(b, h, g, d)
+        scratch, threads = self._scratch(g, layout.p_cap + layout.l_cap)
+        if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
+                        layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d, layout.l_cap,
+                        scale, threads, *ptrs, layout.p_cap) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
         return out
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layout: DecodeLayout, kt_buf: torch.Tensor,
+                 v_buf: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Write each request's new k, v ([B, H, D] float32, each request's contiguous, any stride) at
+        layout.new_pos of its dense row (kt_buf / v_buf as in decode_attention) and, with `pool`
+        ([S, H, D] K and V buffers), at pool slot layout.loc."""
+        b, h, d = k.shape
+        _rows_of_heads(k)
+        _rows_of_heads(v)
+        assert v.shape == k.shape and b == len(layout.rows) and layout.new_pos is not None
+        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap)
+        pk = pv = loc = None
+        if pool is not None:
+            assert layout.loc is not None
+            for t in pool:
+                assert t.dtype == torch.float32 and t.is_contiguous() and t.shape[1:] == (h, d)
+            pk, pv, loc = pool[0].data_ptr(), pool[1].data_ptr(), layout.loc.data_ptr()
+        self._store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), b, h, d, pk, pv, loc, kt_buf.data_ptr(),
+                    v_buf.data_ptr(), layout.rows.data_ptr(), layout.new_pos.data_ptr(), layout.l_cap)
 
     def extend_attention(self, q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
                          prefix: torch.Tensor, scale: float) -> torch.Tensor:
@@ -167,7 +165,8 @@ class NativeKernels:
         the new ones. Token i of request b sees keys [0, prefix[b] + i]. Returns [T, H, G, D]."""
         t, h, g, d = q.shape
         b = kt.shape[0]
-        l_cap = self._check_kv(kt, v, h, d)
+        l_cap = v.shape[2]
+        _check_kv(kt, v, h, d, b, l_cap)
         assert q.dtype == torch.float32
         assert q_start.shape == (b + 1,) and prefix.shape == (b,)
         assert q_start.dtype == prefix.dtype == torch.int64
@@ -204,6 +203,29 @@ class NativeKernels:
         out = gate_up.new_empty(t, two_i // 2)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta (in place; None: no add), then RMSNorm(x) * weight as a new [T, N] tensor.
+        x, delta: [T, N] float32, rows at any stride; weight: [N] contiguous."""
+        t, n = x.shape
+        _rows_of_heads(x)
+        if delta is not None:
+            _rows_of_heads(delta)
+            assert delta.shape == x.shape
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (n,)
+        out = x.new_empty(t, n)
+        self._add_norm(x.data_ptr(), x.stride(0), _ptr(delta), 0 if delta is None else delta.stride(0),
+                       out.data_ptr(), weight.data_ptr(), t, n, eps, torch.get_num_threads())
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """torch.argmax(logits, -1) of [B, V] float32 rows (first maximum; first NaN when there is one)."""
+        b, v = logits.shape
+        _rows_of_heads(logits)
+        out = torch.empty(b, dtype=torch.int64)
+        self._argmax(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr())
+        return out.tolist()
 
 
 def load(cache: str | None = None) -> NativeKernels | None:

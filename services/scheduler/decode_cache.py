@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from services.scheduler.cpu_kernels import SharedKV
+from services.scheduler.cpu_kernels import DecodeLayout, decode_layout
 from services.scheduler.memory_pool import TokenToKVPool, doubled, rounded
 from services.scheduler.shared_prefix import MIN_SHARED, SharedPrefixes
 
@@ -218,14 +218,23 @@ class DenseDecodeCache:
         return DecodeRows(rows_t, inv, seq[inv], new_pos, max(seq_lens),
                           torch.tensor(self.entry_at, dtype=torch.int64), plen_rows)
 
-    def shared_kv(self, layer: int, rows: DecodeRows) -> SharedKV | None:
-        """The layer's shared prefixes as the C kernel reads them; None when no row has one."""
-        if rows.entry_rows is None or rows.plen_rows is None or self.shared is None:
+    def layout(self, rows: DecodeRows, loc: torch.Tensor) -> DecodeLayout:
+        """This step's rows as the C kernels read them (checked once for every layer); loc: [B] int64
+        pool slots of the new tokens."""
+        _, l_cap = self._capacity()
+        shared = self.shared if rows.entry_rows is not None else None
+        return decode_layout(rows.seq_lens_rows, l_cap, rows.rows, rows.new_pos, loc, self.kv_pool.k_buffer[0].shape[0],
+                             rows.entry_rows, rows.plen_rows, shared.k[0].shape[3] if shared else 0,
+                             shared.k[0].shape[0] if shared else 0)
+
+    def prefix_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's shared prefixes, K^T [E, Hkv, D, Pcap] and V [E, Hkv, Pcap, D]; None when none."""
+        if self.shared is None or not self.shared.k:
             return None
-        return SharedKV(self.shared.k[layer], self.shared.v[layer], rows.entry_rows, rows.plen_rows)
+        return self.shared.k[layer], self.shared.v[layer]
 
     def write(self, layer: int, rows: DecodeRows, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [B, Hkv, D] of the newest token of each batch position."""
+        """k, v: [B, Hkv, D] of the newest token of each batch position (the torch path)."""
         self.k[layer][rows.rows, :, :, rows.new_pos] = k.to(self.k[layer].dtype)
         self.v[layer][rows.rows, :, rows.new_pos] = v.to(self.v[layer].dtype)
 

@@ -47,9 +47,11 @@ class ModelRunner:
             logger.info("CPU threads: %d for prefill, %d for decode", self.prefill_threads, self.decode_threads)
         self.cpu_kernels = cpu_kernels
         self.kernel_cache = kernel_cache
-        # The C kernels (attention, rotary, SiLU gate) for float32 on CPU; None: torch everywhere.
+        # The C kernels (attention, K/V store, rotary, SiLU gate, norms, argmax) for float32 on CPU;
+        # None: torch everywhere.
         self.native = (load_cpu_kernels(kernel_cache)
                        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels else None)
+        self.argmax = self.native.argmax if self.native is not None else None  # greedy sampling's
 
         path = model_loader.resolve_model_path(model_path)
         self.model_config = model_loader.load_config(path)

@@ -5,6 +5,8 @@ logprobs recorded. The glue between `Req` objects and sampling.py, as grammar_gl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.scheduler.finish import FinishChecker
@@ -14,8 +16,10 @@ from services.scheduler.sampling import SamplingBatchInfo, sample
 
 
 def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, finisher: FinishChecker,
-                vocab_size: int, device: torch.device) -> list[int]:
-    """logits: [len(reqs), V] on device, one row per request. Returns each request's next token id."""
+                vocab_size: int, device: torch.device,
+                argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
+    """logits: [len(reqs), V] on device, one row per request. Returns each request's next token id.
+    argmax: the C kernel's, when the model runs on them."""
     if not reqs:
         return []
     grammar.mask(logits, reqs)
@@ -26,7 +30,7 @@ def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, fin
         [set(finisher.stop_ids_for_min_tokens(r))
          if r.params.min_new_tokens > len(r.output_ids) and r.grammar is None else set() for r in reqs],
         vocab_size, device)
-    out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs])
+    out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs], argmax)
     for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs):
         if r.return_logprob and r.params.max_new_tokens:  # 0: the token is not kept (scheduler.py)
             r.output_logprobs.append(lp)

@@ -188,7 +188,7 @@ class Scheduler:
         if len(rows) != len(batch.reqs):
             logits = logits[rows]
         return sample_reqs([batch.reqs[i] for i in rows], logits, self.grammar, self.finisher,
-                           self.runner.vocab_size, self.device)
+                           self.runner.vocab_size, self.device, self.runner.argmax)
 
     def process_results(self, batch: Batch, next_ids: list[int], elapsed: float) -> None:
         now = time.monotonic()

@@ -1,11 +1,10 @@
-"""The C attention kernels (decode and prefill) against plain torch attention, and the fallback without a
-compiler."""
+"""The C kernels against plain torch: attention (decode and prefill), the decode step's K/V store, rotary,
+the SiLU gate, the residual add with RMSNorm, and greedy argmax."""
 
 from __future__ import annotations
 
 import itertools
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -53,8 +52,22 @@ def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int
     v[:b, :, 70:] = float("nan")
     kt[1, :, :, 70:] = torch.randn(heads, dim, l_cap - 70)
     v[1, :, 70:] = torch.randn(heads, l_cap - 70, dim)
-    got = kernel.decode_attention(q, kt, v, lens, dim ** -0.5)
+    got = kernel.decode_attention(q, kt, v, cpu_kernels.decode_layout(lens, l_cap), dim ** -0.5)
     want = reference(q, kt, v, lens, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_reads_each_request_from_its_dense_row(kernel, threads: int) -> None:
+    """Requests in batch order, their rows anywhere in the buffers, q a strided view (as in a layer)."""
+    torch.manual_seed(3)
+    heads, group, dim, l_cap = 4, 2, 32, 64
+    kt, v = torch.randn(6, heads, dim, l_cap), torch.randn(6, heads, l_cap, dim)
+    lens = torch.tensor([5, 64, 17, 1, 40, 33], dtype=torch.int64)  # per dense row
+    rows = torch.tensor([4, 0, 5, 2, 3, 1], dtype=torch.int64)      # request b -> dense row
+    qkv = torch.randn(6, heads * group * dim + 100)                  # each request's q, then other columns
+    q = qkv[:, :heads * group * dim].view(6, heads, group, dim)
+    got = kernel.decode_attention(q, kt, v, cpu_kernels.decode_layout(lens, l_cap, rows), dim ** -0.5)
+    want = reference(q.contiguous(), kt[rows], v[rows], lens[rows], dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -79,9 +92,9 @@ def test_decode_over_shared_prefixes_matches_whole_rows(kernel, threads: int, he
         v[r, :, int(lens[r]) - n:] = float("nan")
     shared_kt[:, :, :, 128:] = float("nan")
     q = torch.randn(b, heads, group, dim)
-    got = kernel.decode_attention(q, kt, v, lens, dim ** -0.5,
-                                  cpu_kernels.SharedKV(shared_kt, shared_v, entry, plen))
-    want = kernel.decode_attention(q, whole_kt, whole_v, lens, dim ** -0.5)
+    layout = cpu_kernels.decode_layout(lens, l_cap, entry=entry, plen=plen, p_cap=p_cap, entries=2)
+    got = kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (shared_kt, shared_v))
+    want = kernel.decode_attention(q, whole_kt, whole_v, cpu_kernels.decode_layout(lens, l_cap), dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, reference(q, whole_kt, whole_v, lens, dim ** -0.5), rtol=1e-5, atol=1e-5)
 
@@ -162,22 +175,81 @@ def test_loading_it_leaves_subnormals_alone(kernel) -> None:
     assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
 
 
-def test_refuses_lengths_past_the_buffer(kernel) -> None:
-    kt, v = torch.zeros(2, 1, 32, 8), torch.zeros(2, 1, 8, 32)
+def test_layout_refuses_what_the_buffers_cannot_hold() -> None:
+    lens = torch.tensor([3, 4])
     with pytest.raises(AssertionError):
-        kernel.decode_attention(torch.zeros(2, 1, 1, 32), kt, v, torch.tensor([3, 9]), 1.0)
+        cpu_kernels.decode_layout(torch.tensor([3, 9]), 8)  # past the buffer
     with pytest.raises(AssertionError):
-        kernel.decode_attention(torch.zeros(2, 1, 1, 32), kt, v, torch.tensor([0, 4]), 1.0)
+        cpu_kernels.decode_layout(torch.tensor([0, 4]), 8)  # a row with no key
+    with pytest.raises(AssertionError):
+        cpu_kernels.decode_layout(lens, 8, rows=torch.tensor([0, 2]))  # no dense row 2
+    with pytest.raises(AssertionError):
+        cpu_kernels.decode_layout(lens, 8, new_pos=torch.tensor([0, 8]))
+    with pytest.raises(AssertionError):
+        cpu_kernels.decode_layout(lens, 8, loc=torch.tensor([5, 100]), pool_size=100)
+    with pytest.raises(AssertionError):  # entry 1 of one
+        cpu_kernels.decode_layout(lens, 8, entry=torch.tensor([1, -1]), plen=torch.tensor([2, 0]), p_cap=4,
+                                  entries=1)
+    cpu_kernels.decode_layout(lens, 8, entry=torch.tensor([0, -1]), plen=torch.tensor([2, 0]), p_cap=4, entries=1)
 
 
-def test_no_compiler_means_no_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert cpu_kernels.build(cache=str(tmp_path)) is None
-    assert list(tmp_path.rglob("*.so")) == []
+def test_refuses_queries_whose_heads_are_not_contiguous(kernel) -> None:
+    kt, v = torch.zeros(2, 2, 32, 8), torch.zeros(2, 2, 8, 32)
+    layout = cpu_kernels.decode_layout(torch.tensor([3, 4]), 8)
+    q = torch.zeros(2, 32, 1, 2).permute(0, 3, 2, 1)  # [B, H, G, D] with D strided
+    with pytest.raises(AssertionError):
+        kernel.decode_attention(q, kt, v, layout, 1.0)
+    kernel.decode_attention(q.contiguous(), kt, v, layout, 1.0)
 
 
-def test_build_is_cached(tmp_path: Path, kernel) -> None:
-    first = cpu_kernels.build(cache=str(tmp_path))
-    assert first is not None and first.parent == tmp_path
-    mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build(cache=str(tmp_path)) == first and first.stat().st_mtime_ns == mtime
+@pytest.mark.parametrize("with_pool", [True, False])
+def test_store_kv_writes_pool_slots_and_dense_rows(kernel, with_pool: bool) -> None:
+    """What index_copy_ into the pool and the dense cache's advanced-index put would write."""
+    torch.manual_seed(5)
+    b, heads, dim, l_cap = 3, 4, 32, 24
+    qkv = torch.randn(b, 3 * heads * dim)
+    k, v = qkv[:, heads * dim: 2 * heads * dim].view(b, heads, dim), qkv[:, 2 * heads * dim:].view(b, heads, dim)
+    pool_k, pool_v = torch.zeros(10, heads, dim), torch.zeros(10, heads, dim)
+    kt_buf, v_buf = torch.zeros(5, heads, dim, l_cap), torch.zeros(5, heads, l_cap, dim)
+    rows, new_pos, loc = torch.tensor([3, 0, 4]), torch.tensor([7, 0, 23]), torch.tensor([9, 2, 5])
+    layout = cpu_kernels.decode_layout(torch.tensor([1, 1, 1, 8, 24]), l_cap, rows, new_pos, loc, 10)
+    kernel.store_kv(k, v, layout, kt_buf, v_buf, (pool_k, pool_v) if with_pool else None)
+    want_kt, want_v = torch.zeros_like(kt_buf), torch.zeros_like(v_buf)
+    want_kt[rows, :, :, new_pos] = k
+    want_v[rows, :, new_pos] = v
+    assert torch.equal(kt_buf, want_kt) and torch.equal(v_buf, want_v)
+    want_pool_k, want_pool_v = torch.zeros_like(pool_k), torch.zeros_like(pool_v)
+    if with_pool:
+        want_pool_k.index_copy_(0, loc, k)
+        want_pool_v.index_copy_(0, loc, v)
+    assert torch.equal(pool_k, want_pool_k) and torch.equal(pool_v, want_pool_v)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(kernel, threads: int, rows: int) -> None:
+    torch.manual_seed(rows)
+    n = 256
+    x = torch.randn(rows, n) * 3
+    delta = torch.randn(rows, n + 64)[:, :n]  # a strided view, as an o_proj output is not
+    weight, eps = torch.randn(n), 1e-6
+    summed = x + delta
+    # HF's LlamaRMSNorm, step by step
+    want = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps))
+    got = kernel.add_rms_norm(x, delta, weight, eps)
+    assert torch.equal(x, summed)  # the residual stream, updated in place
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(kernel.add_rms_norm(x.clone(), None, weight, eps),
+                               F.rms_norm(summed, (n,), weight, eps), rtol=2e-6, atol=2e-6)
+
+
+def test_argmax_picks_what_torch_picks(kernel) -> None:
+    torch.manual_seed(11)
+    logits = torch.randn(6, 4096)
+    logits[1, 100] = logits[1, 3000] = 50.0       # a tie: the first
+    logits[2, :] = 0.0
+    logits[2, 4095] = -0.0
+    logits[3, 7] = float("nan")                  # NaN wins, as in torch
+    logits[4, 4000] = float("inf")
+    logits[5, 0] = 1e30
+    assert kernel.argmax(logits) == logits.argmax(-1).tolist()
+    assert kernel.argmax(logits[:, :1000]) == logits[:, :1000].argmax(-1).tolist()  # strided rows

@@ -10,11 +10,12 @@
  * glibc's libmvec). Work is split over `threads` OpenMP threads (torch's own count; torch's CPU build
  * uses the same libgomp, so this shares its thread pool).
  *
- * decode_attention_f32: one query per request row, lens[b] keys: plen[b] of them from a shared
- *   prefix buffer (one copy for every row whose request shares that prompt prefix; entry == NULL: none),
- *   the rest from the row's own buffer, starting at its index 0.
- *   q [B, H, G, D]; kt [Bcap, H, D, Lcap] (rows 0..B-1 used); v [Bcap, H, Lcap, D]; out [B, H, G, D]
- *   pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; entry, plen [B]
+ * decode_attention_f32: one query per request; request b's keys are in dense row r = rows[b] (rows ==
+ *   NULL: r = b): lens[r] keys, plen[r] of them from a shared prefix buffer (one copy for every row
+ *   whose request shares that prompt prefix; entry == NULL: none), the rest from the row's own buffer,
+ *   starting at its index 0.
+ *   q [B, H, G, D] with rows q_stride floats apart; kt [Bcap, H, D, Lcap]; v [Bcap, H, Lcap, D];
+ *   out [B, H, G, D]; pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; lens, entry, plen [Bcap]
  * extend_attention_f32: request b's new tokens q_start[b] .. q_start[b+1]-1 follow prefix[b] cached
  *   ones; its i-th new token sees keys [0, prefix[b] + i] (causal after the prefix). Requests run one
  *   (b, KV head) pair per task, so a request's K/V stay in cache while all its queries read them.
@@ -129,24 +130,25 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
         else { BODY(G, 128) }                                                                          \
     } else { BODY(G, D) }
 
-/* Row b's keys: plen[b] from shared prefix entry entry[b] (pk/pv: [E, H, D, Pcap] / [E, H, Pcap, D];
- * entry may be NULL: no sharing), then lens[b] - plen[b] of its own. */
+/* Request b's keys live in dense row r: plen[r] from shared prefix entry entry[r] (pk/pv: [E, H, D, Pcap] /
+ * [E, H, Pcap, D]; entry may be NULL: no sharing), then lens[r] - plen[r] of its own. */
 #define DECODE_ROWS(GC, DC)                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
-        const int64_t b = bh / H, h = bh % H;                                                          \
-        const int64_t pl = entry ? plen[b] : 0;                                                        \
-        const int64_t e = pl > 0 ? entry[b] : 0;                                                       \
+        const int64_t b = bh / H, h = bh % H, r = rows ? rows[b] : b;                                  \
+        const int64_t pl = entry ? plen[r] : 0;                                                        \
+        const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
-        head(q + bh * (GC) * (DC), pk + (e * H + h) * (DC) * Pcap, pv + (e * H + h) * Pcap * (DC), pl,   \
-             Pcap, kt + bh * (DC) * Lcap, v + bh * Lcap * (DC), lens[b] - pl, Lcap,                     \
-             out + bh * (GC) * (DC), s, Pcap + Lcap, scale, (GC), (DC));                               \
+        head(q + b * q_stride + h * (GC) * (DC), pk + (e * H + h) * (DC) * Pcap,                       \
+             pv + (e * H + h) * Pcap * (DC), pl, Pcap, kt + (r * H + h) * (DC) * Lcap,                  \
+             v + (r * H + h) * Lcap * (DC), lens[r] - pl, Lcap, out + bh * (GC) * (DC), s, Pcap + Lcap,  \
+             scale, (GC), (DC));                                                                       \
     }
 
-int decode_attention_f32(const float *q, const float *kt, const float *v, const int64_t *lens, float *out,
-                         float *scratch, int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lcap,
-                         float scale, int threads, const float *pk, const float *pv, const int64_t *entry,
-                         const int64_t *plen, int64_t Pcap) {
+int decode_attention_f32(const float *q, int64_t q_stride, const float *kt, const float *v, const int64_t *rows,
+                         const int64_t *lens, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
+                         int64_t D, int64_t Lcap, float scale, int threads, const float *pk, const float *pv,
+                         const int64_t *entry, const int64_t *plen, int64_t Pcap) {
     if (G < 1 || G > GMAX || D < 1 || D > 128 || threads < 1) return -1;
     if (!entry) Pcap = 0;
     DISPATCH(DECODE_ROWS)

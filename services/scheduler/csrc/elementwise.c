@@ -43,3 +43,27 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int th
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* The residual add and the RMSNorm after it (Llama's norms take the sum of a layer's input and its
+ * attention or MLP output): x += delta (delta NULL: no add), then out = w * (x / sqrt(mean(x^2) + eps)),
+ * in the order HF's LlamaRMSNorm multiplies. x: [T, N] rows x_stride floats apart, updated in place;
+ * delta: [T, N] rows delta_stride apart; out: [T, N] contiguous. The scale is computed in double. */
+void add_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride, float *out,
+                      const float *w, int64_t T, int64_t N, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        float *restrict xr = x + t * x_stride;
+        float *restrict o = out + t * N;
+        if (delta) {
+            const float *restrict dr = delta + t * delta_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < N; i++) xr[i] += dr[i];
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < N; i++) ss += xr[i] * xr[i];
+        const float r = (float)(1.0 / sqrt((double)ss / (double)N + (double)eps));
+#pragma omp simd
+        for (int64_t i = 0; i < N; i++) o[i] = w[i] * (xr[i] * r);
+    }
+}

@@ -21,9 +21,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.native: NativeKernels | None = None  # CPU float32: the residual add and the norm in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta); the native kernel adds into x in place (x: the residual stream,
+        which nothing else holds). delta None: no add."""
+        if self.native is not None:
+            return self.native.add_rms_norm(x, delta, self.weight, self.eps), x
+        if delta is not None:
+            x = x + delta
+        return self(x), x
 
 
 class LlamaAttention(nn.Module):
@@ -80,9 +90,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, rot: Rotation, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, rot, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope: RotaryEmbedding, rot: Rotation,
+                attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, H], still without `delta` (the previous layer's MLP output, None
+        for the first layer), so each add goes with the norm after it. Returns (x, this MLP's output)."""
+        h, x = self.input_layernorm.add_norm(x, delta)
+        h, x = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rope, rot, attn))
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,9 +124,12 @@ class LlamaForCausalLM(nn.Module):
                                       device, dtype)
 
     def use_native_kernels(self, kernels: NativeKernels) -> None:
-        """Rotary and the SiLU gate on the C kernels (float32 CPU models; the runner decides)."""
+        """Rotary, the SiLU gate and the norms on the C kernels (float32 CPU models; the runner decides)."""
         assert self.rotary is not None
         self.rotary.native = kernels
+        for m in self.modules():
+            if isinstance(m, RMSNorm) and m.weight.shape[0] == self.config.hidden_size:
+                m.native = kernels  # not Qwen3's per-head q/k norms: those run over views of the heads
         if getattr(self.config, "hidden_act", "silu") == "silu":
             for layer in self.layers:
                 layer.mlp.native = kernels
@@ -121,13 +138,14 @@ class LlamaForCausalLM(nn.Module):
                 last_index: torch.Tensor | None) -> torch.Tensor:
         """input_ids, positions: [T] int64. last_index: [B] rows of T whose logits are wanted (None: all).
         Returns logits [B, V] float32."""
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x = self.embed_tokens(input_ids)  # [T, H], a fresh tensor: the layers add into it
         rot = self.rotary.prepare(positions)
+        delta = None
         for layer in self.layers:
-            x = layer(x, self.rotary, rot, attn)
-        if last_index is not None:
-            x = x.index_select(0, last_index)  # [B, H]: norm and lm_head only where logits are used
-        x = self.norm(x)
+            x, delta = layer(x, delta, self.rotary, rot, attn)
+        if last_index is not None:  # [B, H]: the last add, norm and lm_head only where logits are used
+            x, delta = x.index_select(0, last_index), delta.index_select(0, last_index)
+        x, _ = self.norm.add_norm(x, delta)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return logits.float()  # [B, V] float32
 
