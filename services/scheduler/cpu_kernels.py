@@ -19,6 +19,7 @@ import torch
 from services.scheduler.kernel_build import build
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an extend block scores at once
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -175,7 +176,7 @@ class NativeKernels:
         assert int(prefix.min()) >= 0 and int((prefix + n).max()) <= l_cap
         q, q_start, prefix = q.contiguous(), q_start.contiguous(), prefix.contiguous()
         out = torch.empty_like(q)
-        scratch, threads = self._scratch(g, l_cap)
+        scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS), l_cap)
         if self._extend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), q_start.data_ptr(), prefix.data_ptr(),
                         out.data_ptr(), scratch.data_ptr(), b, h, g, d, l_cap, scale, threads) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")

@@ -1,5 +1,6 @@
 /* Attention kernels for CPU float32: decode over the dense decode cache, and prefill (extend) over a
- * request's gathered keys. Both are the same per-query routine, `head`.
+ * request's gathered keys. Both are the same per-query routine, `head`; extend runs several new tokens
+ * of a request through it at once (`block`).
  *
  * `head` takes one query token's G query heads (the group of one KV head), scores them against that
  * KV head's keys [0, len), softmaxes, and weights the values. K is stored transposed (K^T rows are
@@ -20,8 +21,8 @@
  *   ones; its i-th new token sees keys [0, prefix[b] + i] (causal after the prefix). Requests run one
  *   (b, KV head) pair per task, so a request's K/V stay in cache while all its queries read them.
  *   q [T, H, G, D] (T = q_start[B]); kt [B, H, D, Lcap]; v [B, H, Lcap, D]; out [T, H, G, D]
- * scratch: threads * G * (Pcap + Lcap) floats (extend: Pcap = 0). All int64 except `threads`;
- * all arrays contiguous.
+ * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * max(G, XQ) * Lcap for extend.
+ * All int64 except `threads`; all arrays contiguous.
  */
 #include <math.h>
 #include <omp.h>
@@ -29,23 +30,26 @@
 
 #define BL 64
 #define GMAX 16
+#define XQ 8 /* query rows per extend block: new tokens x G */
 
-/* s[g * S + l] = scale * q[g] . K[l] for l in [0, n); K^T rows of `cap` positions. */
+/* s[g * S + l] = scale * q[g] . K[l] for l in [0, n); K^T rows of `cap` positions. Keys go 64 at a
+ * time, 32 with more than 4 query rows, so the accumulators (rows x keys) stay in the registers. */
 static inline __attribute__((always_inline)) void scores(const float *restrict qb, const float *restrict kb,
                                                           int64_t n_keys, int64_t cap, float *restrict s,
                                                           int64_t S, float scale, const int64_t G,
                                                           const int64_t D) {
-    for (int64_t l0 = 0; l0 < n_keys; l0 += BL) {
+    const int64_t W = G > 4 ? BL / 2 : BL;
+    for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
         float acc[GMAX][BL];
         for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < BL; i++) acc[g][i] = 0.0f;
-        if (l0 + BL <= cap) { /* full-width loads stay inside the buffer (past n_keys: ignored) */
+            for (int64_t i = 0; i < W; i++) acc[g][i] = 0.0f;
+        if (l0 + W <= cap) { /* full-width loads stay inside the buffer (past n_keys: ignored) */
             for (int64_t d = 0; d < D; d++) {
                 const float *restrict kd = kb + d * cap + l0;
                 for (int64_t g = 0; g < G; g++) {
                     const float qd = qb[g * D + d];
 #pragma omp simd
-                    for (int64_t i = 0; i < BL; i++) acc[g][i] += qd * kd[i];
+                    for (int64_t i = 0; i < W; i++) acc[g][i] += qd * kd[i];
                 }
             }
         } else {
@@ -56,10 +60,26 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
                     for (int64_t i = 0; i < n; i++) acc[g][i] += qb[g * D + d] * kd[i];
             }
         }
-        const int64_t n = n_keys - l0 < BL ? n_keys - l0 : BL;
+        const int64_t n = n_keys - l0 < W ? n_keys - l0 : W;
         for (int64_t g = 0; g < G; g++)
             for (int64_t i = 0; i < n; i++) s[g * S + l0 + i] = acc[g][i] * scale;
     }
+}
+
+/* In place over one query row's n scores. */
+static inline __attribute__((always_inline)) void softmax(float *restrict sg, int64_t n) {
+    float m = sg[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t l = 1; l < n; l++) m = sg[l] > m ? sg[l] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < n; l++) {
+        sg[l] = expf(sg[l] - m);
+        sum += sg[l];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t l = 0; l < n; l++) sg[l] *= inv;
 }
 
 /* acc[g] += sum_l p[g * S + l] V[l] for l in [0, n). */
@@ -89,22 +109,7 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
     const int64_t total = plen + len;
     if (plen > 0) scores(qb, pk, plen, pcap, s, S, scale, G, D);
     scores(qb, kb, len, Lcap, s + plen, S, scale, G, D);
-    /* softmax over [0, total) per query head */
-    for (int64_t g = 0; g < G; g++) {
-        float *restrict sg = s + g * S;
-        float m = sg[0];
-#pragma omp simd reduction(max : m)
-        for (int64_t l = 1; l < total; l++) m = sg[l] > m ? sg[l] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < total; l++) {
-            sg[l] = expf(sg[l] - m);
-            sum += sg[l];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t l = 0; l < total; l++) sg[l] *= inv;
-    }
+    for (int64_t g = 0; g < G; g++) softmax(s + g * S, total);
     /* out[g] = sum_l p[g][l] V[l] */
     float acc[GMAX][128];
     for (int64_t g = 0; g < G; g++)
@@ -113,6 +118,34 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
     weigh(acc, s + plen, S, vb, len, G, D);
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g][d];
+}
+
+/* QB consecutive new tokens of one (request, KV head) at once, so each key loaded feeds QB * G query
+ * rows instead of G: row r = i * G + g is token i's query head g (q and out rows `step` floats apart
+ * between tokens), and token i sees keys [0, n0 + i). Each row's scores, softmax and weighted sum are
+ * what `head` computes for it alone; the keys after a row's own (up to the block's last token's) get
+ * weight 0. s: QB * G rows of S floats. */
+static inline __attribute__((always_inline)) void block(const float *restrict q0, int64_t step,
+                                                         const float *restrict kb, const float *restrict vb,
+                                                         int64_t n0, int64_t Lcap, float *restrict o0,
+                                                         float *restrict s, int64_t S, float scale,
+                                                         const int64_t QB, const int64_t G, const int64_t D) {
+    const int64_t R = QB * G, n = n0 + QB - 1;
+    float qb[GMAX * 128];
+    for (int64_t i = 0; i < QB; i++)
+        for (int64_t j = 0; j < G * D; j++) qb[i * G * D + j] = q0[i * step + j];
+    scores(qb, kb, n, Lcap, s, S, scale, R, D);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t own = n0 + r / G;
+        softmax(s + r * S, own);
+        for (int64_t l = own; l < n; l++) s[r * S + l] = 0.0f;
+    }
+    float acc[GMAX][128];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t d = 0; d < D; d++) acc[r][d] = 0.0f;
+    weigh(acc, s, S, vb, n, R, D);
+    for (int64_t i = 0; i < QB; i++)
+        for (int64_t j = 0; j < G * D; j++) o0[i * step + j] = acc[i * G + j / D][j % D];
 }
 
 /* One (G, D) specialization per common shape, so `head` unrolls; BODY(GC, DC) is the parallel loop. */
@@ -155,16 +188,22 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *kt, cons
     return 0;
 }
 
-/* Dynamic schedule: requests differ in length, and a long one's pairs must not all land on one thread. */
+/* Dynamic schedule: requests differ in length, and a long one's pairs must not all land on one thread.
+ * New tokens go XQ / G at a time through `block` (compile-time QB), the rest one by one. */
 #define EXTEND_ROWS(GC, DC)                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                             \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
-        const int64_t b = bh / H, h = bh % H;                                                          \
-        float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * Lcap;                               \
-        for (int64_t t = q_start[b]; t < q_start[b + 1]; t++)                                          \
-            head(q + (t * H + h) * (GC) * (DC), kt, v, 0, 0, kt + bh * (DC) * Lcap, v + bh * Lcap * (DC),  \
-                 prefix[b] + (t - q_start[b]) + 1, Lcap, out + (t * H + h) * (GC) * (DC), s, Lcap, scale,  \
-                 (GC), (DC));                                                                          \
+        const int64_t b = bh / H, h = bh % H, QB = (GC) >= XQ ? 1 : XQ / (GC), step = H * (GC) * (DC);  \
+        const float *kb = kt + bh * (DC) * Lcap, *vb = v + bh * Lcap * (DC);                             \
+        float *s = scratch + (int64_t)omp_get_thread_num() * ((GC) > XQ ? (GC) : XQ) * Lcap;            \
+        int64_t t = q_start[b];                                                                        \
+        if (QB > 1)                                                                                    \
+            for (; t + QB <= q_start[b + 1]; t += QB)                                                  \
+                block(q + (t * H + h) * (GC) * (DC), step, kb, vb, prefix[b] + (t - q_start[b]) + 1, Lcap, \
+                      out + (t * H + h) * (GC) * (DC), s, Lcap, scale, QB, (GC), (DC));                 \
+        for (; t < q_start[b + 1]; t++)                                                                \
+            head(q + (t * H + h) * (GC) * (DC), kt, v, 0, 0, kb, vb, prefix[b] + (t - q_start[b]) + 1,  \
+                 Lcap, out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC));                   \
     }
 
 int extend_attention_f32(const float *q, const float *kt, const float *v, const int64_t *q_start,
