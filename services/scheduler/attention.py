@@ -10,7 +10,7 @@ attends over `req_to_token[row, :seq_len]`:
   a single request without a cached prefix skips the pool gather and uses `is_causal`.
 
 On CPU in float32 the C kernels (cpu_kernels.py) take over: DECODE over the dense decode cache, and
-EXTEND over each request's gathered keys with no padding and no mask (`q_start` / `prefix`).
+EXTEND over each request's keys read from the pool, with no padding and no mask (`extend_layout`).
 
 The metadata tensors may be static buffers owned by the CUDA graph runner (see cuda_graph.py): the
 layer code only reads `self.metadata`.
@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.cpu_kernels import DecodeLayout, NativeKernels
+from services.scheduler.cpu_kernels import (
+    DecodeLayout,
+    ExtendLayout,
+    NativeKernels,
+    extend_layout,
+)
 from services.scheduler.decode_cache import DecodeRows, DenseDecodeCache
 from services.scheduler.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -39,10 +44,7 @@ class SDPAMetadata:
     # Additive, not bool: CPU SDPA is ~1.6x faster with a float mask (measured, B=32, Lkv=210).
     mask: torch.Tensor | None
     q_pad_index: torch.Tensor | None = None  # EXTEND [T] int64: row of each token in the [B * Lq] padding
-    # EXTEND on the C kernel (CPU): request b's tokens are q_start[b]:q_start[b + 1] ([B + 1] int64)
-    # and follow prefix[b] cached ones ([B] int64).
-    q_start: torch.Tensor | None = None
-    prefix: torch.Tensor | None = None
+    extend_layout: ExtendLayout | None = None  # EXTEND on the C kernel (CPU): where each request's tokens are
     batch_size: int = 0
     q_len: int = 1                           # Lq: longest new span
     dense_rows: DecodeRows | None = None     # DECODE on CPU: the batch's rows in the dense decode cache
@@ -109,9 +111,10 @@ class TorchSDPABackend:
             # No padding and no mask: the kernel knows where each request's tokens start and end.
             q_start = torch.zeros(bs + 1, dtype=torch.int64)
             torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int64), 0, out=q_start[1:])
+            layout = extend_layout(kv_index, q_start, torch.tensor(batch.prefix_lens, dtype=torch.int64),
+                                   self.kv_pool.k_buffer[0].shape[0])
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,
-                                mask=None, batch_size=bs, q_len=max(batch.extend_lens), q_start=q_start,
-                                prefix=torch.tensor(batch.prefix_lens, dtype=torch.int64))
+                                mask=None, batch_size=bs, q_len=max(batch.extend_lens), extend_layout=layout)
         if bs == 1 and batch.prefix_lens[0] == 0:
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
                                 mask=None, batch_size=1, q_len=batch.extend_lens[0])
@@ -219,21 +222,16 @@ class TorchSDPABackend:
         return out[md.q_pad_index]  # [T, Hq * D]
 
     def _extend_native(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
-        # Causal blocks are skipped and a request's K/V stay in cache while its queries read them:
-        # ~3x the padded, masked SDPA call (measured: 64 x 256 tokens, one layer, 20 against 48+ ms
-        # on two threads).
-        assert md.kv_index is not None and md.q_start is not None and md.prefix is not None
-        assert self.native is not None
-        bs, kv_len = md.kv_index.shape
-        kb, vb = self.kv_pool.get_kv_buffer(layer_id)
-        flat = md.kv_index.reshape(-1)
-        shape = (bs, kv_len, self.num_kv_heads, self.head_dim)
-        kt = kb.index_select(0, flat).view(shape).permute(0, 2, 3, 1).contiguous()  # [B, Hkv, D, Lkv]
-        v = vb.index_select(0, flat).view(shape).transpose(1, 2).contiguous()     # [B, Hkv, Lkv, D]
+        # Causal blocks are skipped, and each request's K/V are read from the pool into a per-thread
+        # tile that stays in cache while all its queries read them: ~3x the padded, masked SDPA call
+        # (64 x 256 tokens, one layer: 20 against 48+ ms on two threads), and no gathered copy of the
+        # batch's K/V (a quarter of a prefill step after a long shared prefix).
+        assert md.extend_layout is not None and self.native is not None
         t = q.shape[0]
+        kb, vb = self.kv_pool.get_kv_buffer(layer_id)
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
-        q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim).to(kt.dtype)
-        out = self.native.extend_attention(q_groups, kt, v, md.q_start, md.prefix, scale)  # [T, Hkv, G, D]
+        q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim).to(kb.dtype)
+        out = self.native.extend_attention(q_groups.contiguous(), kb, vb, md.extend_layout, scale)  # [T, Hkv, G, D]
         return out.view(t, -1)  # [T, Hq * D]
 
 

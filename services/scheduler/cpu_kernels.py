@@ -73,6 +73,32 @@ def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = No
                         entries)
 
 
+@dataclass(frozen=True)
+class ExtendLayout:
+    """A prefill step's requests, checked once for every layer's call: request b's new tokens are rows
+    q_start[b]:q_start[b + 1] of the step's T, after prefix[b] cached ones, and its keys sit in KV pool
+    slots slots[b, :prefix[b] + new]. All int64, contiguous."""
+    slots: torch.Tensor    # [B, Lcap]
+    q_start: torch.Tensor  # [B + 1]
+    prefix: torch.Tensor   # [B]
+    tokens: int            # T
+    pool_size: int         # slots are below this
+
+
+def extend_layout(slots: torch.Tensor, q_start: torch.Tensor, prefix: torch.Tensor, pool_size: int) -> ExtendLayout:
+    slots, q_start, prefix = slots.contiguous(), q_start.contiguous(), prefix.contiguous()
+    for t in (slots, q_start, prefix):
+        assert t.dtype == torch.int64 and t.device.type == "cpu"
+    b = len(prefix)
+    assert slots.dim() == 2 and slots.shape[0] == b and q_start.shape == (b + 1,) and prefix.shape == (b,)
+    n = q_start[1:] - q_start[:-1]
+    assert int(q_start[0]) == 0 and int(n.min()) >= 0 and int(prefix.min()) >= 0
+    assert int((prefix + n).max()) <= slots.shape[1]
+    # Past each request's keys its row holds an earlier request's slots or 0: in range either way.
+    assert 0 <= int(slots.min()) and int(slots.max()) < pool_size
+    return ExtendLayout(slots, q_start, prefix, int(q_start[-1]), pool_size)
+
+
 def _check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int) -> None:
     for t in (kt_buf, v_buf):
         assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
@@ -99,7 +125,7 @@ class NativeKernels:
                                                                          _I, _I, _I, _F, ctypes.c_int, _P, _P, _P,
                                                                          _P, _I])
         self._extend = self._fn(lib.extend_attention_f32, ctypes.c_int,
-                                [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int])
+                                [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int])
         self._store = self._fn(lib.store_kv_f32, None, [_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I])
         self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
         self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
@@ -158,30 +184,24 @@ class NativeKernels:
         self._store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), b, h, d, pk, pv, loc, kt_buf.data_ptr(),
                     v_buf.data_ptr(), layout.rows.data_ptr(), layout.new_pos.data_ptr(), layout.l_cap)
 
-    def extend_attention(self, q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, q_start: torch.Tensor,
-                         prefix: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention of new tokens after a cached prefix. q: [T, H, G, D] float32, request b's
-        tokens at q_start[b]:q_start[b + 1] ([B + 1] int64, q_start[B] = T); kt: K^T [B, H, D, Lcap] and
-        v: [B, H, Lcap, D], each request's keys from position 0; prefix: [B] int64 cached keys before
-        the new ones. Token i of request b sees keys [0, prefix[b] + i]. Returns [T, H, G, D]."""
+    def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
+                         scale: float) -> torch.Tensor:
+        """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
+        float32 contiguous; pool_k, pool_v: [S, H, D] float32 contiguous (S >= layout.pool_size). Token
+        i of request b sees keys [0, prefix[b] + i]. Returns [T, H, G, D]."""
         t, h, g, d = q.shape
-        b = kt.shape[0]
-        l_cap = v.shape[2]
-        _check_kv(kt, v, h, d, b, l_cap)
-        assert q.dtype == torch.float32
-        assert q_start.shape == (b + 1,) and prefix.shape == (b,)
-        assert q_start.dtype == prefix.dtype == torch.int64
-        n = q_start[1:] - q_start[:-1]
-        assert int(q_start[0]) == 0 and int(q_start[-1]) == t and int(n.min()) >= 0
-        assert int(prefix.min()) >= 0 and int((prefix + n).max()) <= l_cap
-        q, q_start, prefix = q.contiguous(), q_start.contiguous(), prefix.contiguous()
+        assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
+        for buf in (pool_k, pool_v):
+            assert buf.dtype == torch.float32 and buf.is_contiguous() and buf.device.type == "cpu"
+            assert buf.shape[0] >= layout.pool_size and buf.shape[1:] == (h, d)
+        b, l_cap = layout.slots.shape
         out = torch.empty_like(q)
-        scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS), l_cap)
-        if self._extend(q.data_ptr(), kt.data_ptr(), v.data_ptr(), q_start.data_ptr(), prefix.data_ptr(),
-                        out.data_ptr(), scratch.data_ptr(), b, h, g, d, l_cap, scale, threads) != 0:
+        scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS) + 2 * d, l_cap)  # scores, then K^T and V tiles
+        if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
+                        layout.q_start.data_ptr(), layout.prefix.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                        b, h, g, d, l_cap, scale, threads) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
         return out
-
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [T, heads, D] in place (HF rotate-half over the first 2 * half dims of each head);

@@ -114,32 +114,47 @@ def extend_reference(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, lens: l
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (1, 4, 128), (2, 5, 48)])
+def pooled(kt: torch.Tensor, v: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The requests' keys scattered over a token-indexed pool [S, H, D] in random slots, and each request's
+    slots [B, Lcap] (as req_to_token rows: past a request's keys, 0)."""
+    b, heads, dim, l_cap = kt.shape
+    perm = torch.randperm(b * l_cap + 7)
+    pool_k = torch.full((len(perm), heads, dim), float("nan"))
+    pool_v = pool_k.clone()
+    slots = torch.zeros(b, l_cap, dtype=torch.int64)
+    for r, n in enumerate(lens):
+        slots[r, :n] = perm[r * l_cap: r * l_cap + n]
+        pool_k[slots[r, :n]] = kt[r, :, :, :n].permute(2, 0, 1)
+        pool_v[slots[r, :n]] = v[r, :, :n].transpose(0, 1)
+    return pool_k, pool_v, slots
+
+
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (1, 4, 128), (2, 5, 48), (2, 3, 32)])
 def test_extend_matches_masked_sdpa_on_ragged_requests(kernel, threads: int, heads: int, group: int,
                                                        dim: int) -> None:
     torch.manual_seed(heads * 100 + group * 10 + dim)
-    lens, prefix = [1, 70, 5, 130, 0, 64], [0, 0, 33, 2, 7, 64]  # one request with no new tokens
+    # One request with no new tokens; new-token counts around the 8-row blocks of every group size.
+    lens, prefix = [1, 70, 5, 130, 0, 64, 9, 17], [0, 0, 33, 2, 7, 64, 600, 3]
     l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
     b = len(lens)
     kt = torch.randn(b, heads, dim, l_cap)
     v = torch.randn(b, heads, l_cap, dim)
-    for r, (n, p) in enumerate(zip(lens, prefix)):  # past each request's keys: must never be read
-        kt[r, :, :, n + p:] = float("nan")
-        v[r, :, n + p:] = float("nan")
+    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])  # other slots: NaN, never read
     q = torch.randn(sum(lens), heads, group, dim)
     q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
-    got = kernel.extend_attention(q, kt, v, q_start, torch.tensor(prefix, dtype=torch.int64), dim ** -0.5)
+    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5)
     want = extend_reference(q, kt, v, lens, prefix, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_extend_refuses_keys_past_the_buffer(kernel) -> None:
-    kt, v = torch.zeros(1, 1, 32, 8), torch.zeros(1, 1, 8, 32)
+def test_extend_layout_refuses_keys_past_the_slots() -> None:
     q_start = torch.tensor([0, 4], dtype=torch.int64)
-    with pytest.raises(AssertionError):  # 5 cached + 4 new > 8 keys
-        kernel.extend_attention(torch.zeros(4, 1, 1, 32), kt, v, q_start, torch.tensor([5]), 1.0)
-    with pytest.raises(AssertionError):  # q_start does not end at T
-        kernel.extend_attention(torch.zeros(5, 1, 1, 32), kt, v, q_start, torch.tensor([0]), 1.0)
+    with pytest.raises(AssertionError):  # 5 cached + 4 new > 8 slots
+        cpu_kernels.extend_layout(torch.zeros(1, 8, dtype=torch.int64), q_start, torch.tensor([5]), 16)
+    with pytest.raises(AssertionError):  # a slot past the pool
+        cpu_kernels.extend_layout(torch.full((1, 9), 16, dtype=torch.int64), q_start, torch.tensor([5]), 16)
+    cpu_kernels.extend_layout(torch.full((1, 9), 15, dtype=torch.int64), q_start, torch.tensor([5]), 16)
 
 
 @pytest.mark.parametrize("rows", [3, 200])  # one thread, and rows split over threads

@@ -18,10 +18,12 @@
  *   q [B, H, G, D] with rows q_stride floats apart; kt [Bcap, H, D, Lcap]; v [Bcap, H, Lcap, D];
  *   out [B, H, G, D]; pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; lens, entry, plen [Bcap]
  * extend_attention_f32: request b's new tokens q_start[b] .. q_start[b+1]-1 follow prefix[b] cached
- *   ones; its i-th new token sees keys [0, prefix[b] + i] (causal after the prefix). Requests run one
- *   (b, KV head) pair per task, so a request's K/V stay in cache while all its queries read them.
- *   q [T, H, G, D] (T = q_start[B]); kt [B, H, D, Lcap]; v [B, H, Lcap, D]; out [T, H, G, D]
- * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * max(G, XQ) * Lcap for extend.
+ *   ones; its i-th new token sees keys [0, prefix[b] + i] (causal after the prefix), read from the KV
+ *   pool through its slots. Requests run one (b, KV head) pair per task, so a request's K/V stay in
+ *   cache while all its queries read them.
+ *   q [T, H, G, D] (T = q_start[B]); pool_k, pool_v [S, H, D]; slots [B, Lcap]; out [T, H, G, D]
+ * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * (max(G, XQ) + 2 D) * Lcap for
+ * extend.
  * All int64 except `threads`; all arrays contiguous.
  */
 #include <math.h>
@@ -188,27 +190,47 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *kt, cons
     return 0;
 }
 
+/* Request b's first n keys of KV head h, from the pool slots slots[0..n), into a K^T tile [D][Lcap] and a
+ * V tile [Lcap][D] (the pool is token-major: [S, H, D]; the kernels want positions contiguous per d). */
+static inline __attribute__((always_inline)) void gather(const float *restrict pool_k, const float *restrict pool_v,
+                                                          const int64_t *restrict slots, int64_t n, int64_t h,
+                                                          int64_t H, float *restrict kt, float *restrict vt,
+                                                          int64_t Lcap, const int64_t D) {
+    for (int64_t l = 0; l < n; l++) {
+        const float *restrict ks = pool_k + (slots[l] * H + h) * D;
+        const float *restrict vs = pool_v + (slots[l] * H + h) * D;
+        for (int64_t d = 0; d < D; d++) kt[d * Lcap + l] = ks[d];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) vt[l * D + d] = vs[d];
+    }
+}
+
 /* Dynamic schedule: requests differ in length, and a long one's pairs must not all land on one thread.
- * New tokens go XQ / G at a time through `block` (compile-time QB), the rest one by one. */
+ * Each (request, KV head) gathers its keys into the thread's tiles once and keeps them in cache while
+ * all its new tokens read them: XQ / G tokens at a time through `block` (compile-time QB), the rest
+ * one by one. */
 #define EXTEND_ROWS(GC, DC)                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                             \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
         const int64_t b = bh / H, h = bh % H, QB = (GC) >= XQ ? 1 : XQ / (GC), step = H * (GC) * (DC);  \
-        const float *kb = kt + bh * (DC) * Lcap, *vb = v + bh * Lcap * (DC);                             \
-        float *s = scratch + (int64_t)omp_get_thread_num() * ((GC) > XQ ? (GC) : XQ) * Lcap;            \
+        const int64_t n_new = q_start[b + 1] - q_start[b];                                             \
+        if (n_new == 0) continue;                                                                      \
+        float *s = scratch + (int64_t)omp_get_thread_num() * (((GC) > XQ ? (GC) : XQ) + 2 * (DC)) * Lcap; \
+        float *kb = s + ((GC) > XQ ? (GC) : XQ) * Lcap, *vb = kb + (DC) * Lcap;                         \
+        gather(pool_k, pool_v, slots + b * Lcap, prefix[b] + n_new, h, H, kb, vb, Lcap, (DC));        \
         int64_t t = q_start[b];                                                                        \
         if (QB > 1)                                                                                    \
             for (; t + QB <= q_start[b + 1]; t += QB)                                                  \
                 block(q + (t * H + h) * (GC) * (DC), step, kb, vb, prefix[b] + (t - q_start[b]) + 1, Lcap, \
                       out + (t * H + h) * (GC) * (DC), s, Lcap, scale, QB, (GC), (DC));                 \
         for (; t < q_start[b + 1]; t++)                                                                \
-            head(q + (t * H + h) * (GC) * (DC), kt, v, 0, 0, kb, vb, prefix[b] + (t - q_start[b]) + 1,  \
+            head(q + (t * H + h) * (GC) * (DC), kb, vb, 0, 0, kb, vb, prefix[b] + (t - q_start[b]) + 1,  \
                  Lcap, out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC));                   \
     }
 
-int extend_attention_f32(const float *q, const float *kt, const float *v, const int64_t *q_start,
-                         const int64_t *prefix, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
-                         int64_t D, int64_t Lcap, float scale, int threads) {
+int extend_attention_f32(const float *q, const float *pool_k, const float *pool_v, const int64_t *slots,
+                         const int64_t *q_start, const int64_t *prefix, float *out, float *scratch, int64_t B,
+                         int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads) {
     if (G < 1 || G > GMAX || D < 1 || D > 128 || threads < 1) return -1;
     DISPATCH(EXTEND_ROWS)
     return 0;
