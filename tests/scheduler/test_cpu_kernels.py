@@ -4,7 +4,9 @@ the SiLU gate, the residual add with RMSNorm, and greedy argmax."""
 from __future__ import annotations
 
 import itertools
+import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -129,7 +131,8 @@ def pooled(kt: torch.Tensor, v: torch.Tensor, lens: list[int]) -> tuple[torch.Te
     return pool_k, pool_v, slots
 
 
-@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (1, 4, 128), (2, 5, 48), (2, 3, 32)])
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 1, 64), (1, 4, 128), (2, 5, 48), (2, 3, 32),
+                                             (1, 12, 32)])
 def test_extend_matches_masked_sdpa_on_ragged_requests(kernel, threads: int, heads: int, group: int,
                                                        dim: int) -> None:
     torch.manual_seed(heads * 100 + group * 10 + dim)
@@ -268,3 +271,9 @@ def test_argmax_picks_what_torch_picks(kernel) -> None:
     logits[5, 0] = 1e30
     assert kernel.argmax(logits) == logits.argmax(-1).tolist()
     assert kernel.argmax(logits[:, :1000]) == logits[:, :1000].argmax(-1).tolist()  # strided rows
+
+
+def test_extend_scratch_is_sized_for_the_kernels_blocks() -> None:
+    """The wrapper sizes each thread's scratch by EXTEND_BLOCK_ROWS; attention.c writes XQ rows into it."""
+    source = (Path(cpu_kernels.__file__).parent / "csrc" / "attention.c").read_text()
+    assert re.search(r"#define XQ (\d+)", source).group(1) == str(cpu_kernels.EXTEND_BLOCK_ROWS)
