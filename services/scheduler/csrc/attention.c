@@ -1,12 +1,12 @@
-/* Attention kernels for CPU float32: decode over the dense decode cache, and prefill (extend) over a
- * request's gathered keys. Both are the same per-query routine, `head`; extend runs several new tokens
- * of a request through it at once (`block`).
+/* Attention kernels for CPU float32: decode over the dense decode cache, and prefill (extend) over each
+ * request's keys, copied from the KV pool into a per-thread tile. Both are the same per-query routine,
+ * `head`; extend runs several new tokens of a request through it at once (`block`).
  *
  * `head` takes one query token's G query heads (the group of one KV head), scores them against that
  * KV head's keys [0, len), softmaxes, and weights the values. K is stored transposed (K^T rows are
  * position-contiguous), so scores build up 64 positions at a time in registers with vector FMAs over d,
- * no horizontal sums; K and V are each read once per query, and only up to `len` (padding past it is
- * never touched). G and D are compile-time constants in the common shapes, so the accumulators stay in
+ * no horizontal sums; K and V are each read once per query (per block of queries in `block`), and only
+ * up to `len` (padding past it is never touched). G and D are compile-time constants in the common shapes, so the accumulators stay in
  * registers. Plain C vectorized by the compiler (omp simd; -ffast-math lets expf vectorize through
  * glibc's libmvec). Work is split over `threads` OpenMP threads (torch's own count; torch's CPU build
  * uses the same libgomp, so this shares its thread pool).
