@@ -77,9 +77,13 @@ class DetokenizerPusher:
                     await self._on_state(True)
                     self._on_connect()
                     await self._serve(call)
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError) as e:
+                    # InvalidStateError: a write to a call that ended (the detokenizer died) before the
+                    # reader saw it end.
                     log.warning("push stream to %s down: %s", self.target,
                                 e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e))
+                except Exception:  # whatever broke, the stream must come back
+                    log.exception("push stream to %s failed", self.target)
                 finally:
                     was_open = self._open
                     self._open = self.live = False

@@ -1,0 +1,68 @@
+"""The scheduler's push stream to the detokenizer comes back whatever ended it (a fake stub isolates it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ringserve.v1 import detokenizer_pb2
+from services.scheduler import detokenizer_client
+from services.scheduler.detokenizer_client import DetokenizerPusher
+
+
+class FakeCall:
+    """A Push call: the handshake, then nothing to read; writes recorded. `ended`: the detokenizer died
+    just before the first batch, so writing it raises what grpc.aio raises on a finished call."""
+
+    def __init__(self, ended: bool) -> None:
+        self.ended = ended
+        self.writes: list[detokenizer_pb2.PushRequest] = []
+        self._reads: asyncio.Queue = asyncio.Queue()
+        self._reads.put_nowait(detokenizer_pb2.PushResponse())
+
+    async def write(self, msg: detokenizer_pb2.PushRequest) -> None:
+        if self.ended and msg.HasField("batch"):
+            raise asyncio.InvalidStateError("RPC already finished.")
+        self.writes.append(msg)
+
+    async def read(self) -> detokenizer_pb2.PushResponse:
+        return await self._reads.get()
+
+    def cancel(self) -> bool:
+        return True
+
+
+async def test_a_write_to_a_call_that_just_ended_reconnects(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[FakeCall] = []
+
+    class Stub:
+        def __init__(self, channel) -> None:
+            pass
+
+        def Push(self, wait_for_ready: bool = False) -> FakeCall:  # the gRPC method's name
+            calls.append(FakeCall(ended=not calls))
+            return calls[-1]
+
+    monkeypatch.setattr(detokenizer_client.detokenizer_pb2_grpc, "DetokenizerServiceStub", Stub)
+    states: list[bool] = []
+
+    async def on_state(up: bool) -> None:
+        states.append(up)
+
+    def on_connect() -> None:  # as the engine thread answers it: the resync batch
+        pusher.push(detokenizer_pb2.StepBatch(resync=True), resync=True)
+
+    async def second_call_got_the_batch() -> None:
+        while not (len(calls) == 2 and any(m.HasField("batch") for m in calls[1].writes)):
+            assert not task.done(), task.exception()  # before the fix: InvalidStateError ended run()
+            await asyncio.sleep(0.01)
+
+    pusher = DetokenizerPusher("127.0.0.1:9", "sched-test", on_connect, lambda owner: None, on_state)
+    task = asyncio.create_task(pusher.run())
+    try:
+        await asyncio.wait_for(second_call_got_the_batch(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert states[:3] == [True, False, True] and pusher.batches_sent == 1
