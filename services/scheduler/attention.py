@@ -112,7 +112,7 @@ class TorchSDPABackend:
             q_start = torch.zeros(bs + 1, dtype=torch.int64)
             torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int64), 0, out=q_start[1:])
             layout = extend_layout(kv_index, q_start, torch.tensor(batch.prefix_lens, dtype=torch.int64),
-                                   self.kv_pool.k_buffer[0].shape[0])
+                                   self.kv_pool.num_slots)
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,
                                 mask=None, batch_size=bs, q_len=max(batch.extend_lens), extend_layout=layout)
         if bs == 1 and batch.prefix_lens[0] == 0:

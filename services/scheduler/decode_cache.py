@@ -223,7 +223,7 @@ class DenseDecodeCache:
         pool slots of the new tokens."""
         _, l_cap = self._capacity()
         shared = self.shared if rows.entry_rows is not None else None
-        return decode_layout(rows.seq_lens_rows, l_cap, rows.rows, rows.new_pos, loc, self.kv_pool.k_buffer[0].shape[0],
+        return decode_layout(rows.seq_lens_rows, l_cap, rows.rows, rows.new_pos, loc, self.kv_pool.num_slots,
                              rows.entry_rows, rows.plen_rows, shared.k[0].shape[3] if shared else 0,
                              shared.k[0].shape[0] if shared else 0)
 

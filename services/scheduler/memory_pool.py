@@ -73,6 +73,11 @@ class TokenToKVPool:
         self.clear()
 
     @property
+    def num_slots(self) -> int:
+        """Rows of each K/V buffer: slot 0 (padding) and the `size` allocatable ones."""
+        return self.size + 1
+
+    @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
