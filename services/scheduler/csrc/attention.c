@@ -15,7 +15,7 @@
  *   NULL: r = b): lens[r] keys, plen[r] of them from a shared prefix buffer (one copy for every row
  *   whose request shares that prompt prefix; entry == NULL: none), the rest from the row's own buffer,
  *   starting at its index 0. With the batch's keys far larger than the cache, the kernel waits on
- *   memory unless the next (request, KV head)'s keys are prefetched while this one's compute: -16 %
+ *   memory unless the next (request, KV head)'s keys are prefetched while this one computes: -16 %
  *   at 64 rows of ~360 keys (4.5M-parameter model).
  *   q [B, H, G, D] with rows q_stride floats apart; kt [Bcap, H, D, Lcap]; v [Bcap, H, Lcap, D];
  *   out [B, H, G, D]; pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; lens, entry, plen [Bcap]
