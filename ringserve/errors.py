@@ -50,21 +50,16 @@ class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+_STATUS_BY_CODE = {s.value[0]: s for s in grpc.StatusCode}
 
 
-class Aborted(ServiceError):
-    code = grpc.StatusCode.ABORTED
+def status_of(code: int) -> grpc.StatusCode:
+    """The status for a google.rpc.Code number carried inside a message (FinishReason, Rejection)."""
+    return _STATUS_BY_CODE.get(code, grpc.StatusCode.UNKNOWN)
 
 
-class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-def error_for_code(code: int, message: str) -> ServiceError:
-    """Rebuild an exception from a status code carried inside a message (e.g. FinishReason)."""
-    status = next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.INTERNAL)
+def error_for_status(status: grpc.StatusCode, message: str) -> ServiceError:
+    """Rebuild an exception from a status carried inside a message (e.g. an abort's Finish)."""
     err = ServiceError(message)
     err.code = status
     return err
