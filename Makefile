@@ -44,7 +44,7 @@ bench-100m: model
 	$(PY) -m bench --models 100m --targets gateway,grpc,engine,vllm --workloads A,B,C --repeats 1 $(ARGS)
 
 bench-engine: model
-	$(PY) -m services.scheduler.bench $(ARGS)
+	$(PY) -m bench.engine_bench $(ARGS)
 
 # 256 streaming clients for SOAK_S seconds through the gateway (not part of `make test`).
 soak: model

@@ -24,8 +24,8 @@ from bench.workloads import Workload, arrival_times, make_prompts, select, workl
 
 
 def run_one(engine, w: Workload, prompts: list[list[int]]) -> tuple[list[RequestRecord], float]:
-    from services.scheduler.req import Req
-    from services.scheduler.sampling import SamplingParams
+    from services.scheduler.core.req import Req
+    from services.scheduler.model_executor.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=w.output_len, ignore_eos=True)
     arrivals = deque(enumerate(arrival_times(w)))
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from services.scheduler.config import EngineConfig
-    from services.scheduler.engine import Engine
+    from services.scheduler.core.engine import Engine
 
     engine = Engine(EngineConfig(model=str(args.model)))
     engine.warmup()

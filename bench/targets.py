@@ -154,8 +154,8 @@ def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_int
 
 
 def run_engine(model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit) -> None:
-    if importlib.util.find_spec("services.scheduler.engine") is None:
-        _fail_all(["engine"], model, wls, "skipped", "services.scheduler.engine is not there yet", emit)
+    if importlib.util.find_spec("services.scheduler.core.engine") is None:
+        _fail_all(["engine"], model, wls, "skipped", "services.scheduler.core.engine is not there yet", emit)
         return
     res_file = out / "raw" / f"engine-{model.name}.json"
     res_file.parent.mkdir(parents=True, exist_ok=True)
@@ -187,15 +187,15 @@ def run_transformers(model: Path, wls: list[Workload], out: Path, emit: Emit) ->
     generate / static batch / generate_batch, in-process); its own workload, so one summary row."""
     w = wls[0]
     shape = {"ringserve-tiny-llama": "tiny", "ringserve-100m-llama": "100m"}.get(model.name)
-    if importlib.util.find_spec("services.scheduler.bench") is None:
+    if importlib.util.find_spec("bench.engine_bench") is None:
         emit(RunResult("transformers", model.name, "own", "own", w.request_rate, "skipped",
                        "services/scheduler/bench.py is not there yet"))
         return
     if shape is None:
         emit(RunResult("transformers", model.name, "own", "own", w.request_rate, "skipped",
-                       "services.scheduler.bench runs the default models only"))
+                       "bench.engine_bench runs the default models only"))
         return
-    cmd = [sys.executable, "-m", "services.scheduler.bench", "--shape", shape, "--concurrency", "1,32",
+    cmd = [sys.executable, "-m", "bench.engine_bench", "--shape", shape, "--concurrency", "1,32",
            "--output-len", "64"]
     log(f"transformers baseline: {' '.join(cmd[1:])}")
     t0 = time.monotonic()
@@ -206,7 +206,7 @@ def run_transformers(model: Path, wls: list[Workload], out: Path, emit: Emit) ->
     note = "; ".join(f"{c}: " + ", ".join(f"{n} {r:,.0f}" for n, r in rs.items()) for c, rs in rates.items())
     emit(RunResult("transformers", model.name, "own", "own", w.request_rate,
                    "ok" if proc.returncode == 0 and rates else "failed",
-                   note=f"output tok/s, services.scheduler.bench: {note}" if rates else (proc.stderr[-800:]),
+                   note=f"output tok/s, bench.engine_bench: {note}" if rates else (proc.stderr[-800:]),
                    wall_s=time.monotonic() - t0, extra={"rates": rates}))
 
 

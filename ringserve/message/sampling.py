@@ -60,9 +60,9 @@ class SamplingParams:
 
     @property
     def max_tokens(self) -> int:
-        """The resolved max_new_tokens (every hop after intake)."""
-        assert self.max_new_tokens is not None, "max_new_tokens is resolved at intake"
-        return self.max_new_tokens
+        """max_new_tokens as the scheduler applies it. Intake always resolves it; only an in-process
+        caller that never went through a tokenizer leaves it unset and gets the default."""
+        return DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
 
     def resolve(self, max_new_tokens: int, sample: int = 0) -> SamplingParams:
         """The parameters of sample `sample` of this request as the scheduler gets them: max_new_tokens

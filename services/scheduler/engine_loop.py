@@ -11,10 +11,10 @@ import os
 import threading
 from collections.abc import Callable
 
-from services.scheduler.detokenizer_client import DetokenizerPusher
-from services.scheduler.engine import Engine
-from services.scheduler.outputs import ReqOutput
-from services.scheduler.servicer import step_batch_pb
+from services.scheduler.rpc.pusher import DetokenizerPusher
+from services.scheduler.core.engine import Engine
+from services.scheduler.core.outputs import ReqOutput
+from services.scheduler.rpc.servicer import step_batch_pb
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from services.scheduler.finish import FinishChecker
-from services.scheduler.grammar_glue import GrammarGlue
-from services.scheduler.req import Req
-from services.scheduler.sampling import SamplingBatchInfo, sample
+from services.scheduler.core.finish import FinishChecker
+from services.scheduler.grammar.glue import GrammarGlue
+from services.scheduler.core.req import Req
+from services.scheduler.model_executor.sampling import SamplingBatchInfo, sample
 
 
 def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, finisher: FinishChecker,
@@ -32,7 +32,7 @@ def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, fin
         vocab_size, device)
     out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs], argmax)
     for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs):
-        if r.return_logprob and r.params.max_new_tokens:  # 0: the token is not kept (scheduler.py)
+        if r.return_logprob and r.params.max_tokens:  # 0: the token is not kept (scheduler.py)
             r.output_logprobs.append(lp)
             r.output_top_logprobs.append(top)
     return out.next_token_ids

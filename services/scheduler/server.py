@@ -12,13 +12,13 @@ from ringserve.grpc_server import GrpcService
 from ringserve.metrics_http import start_metrics_server
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerServerConfig
-from services.scheduler.detokenizer_client import DetokenizerPusher
-from services.scheduler.engine import Engine
-from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.rpc.pusher import DetokenizerPusher
+from services.scheduler.core.engine import Engine
+from services.scheduler.core.engine import EngineLoop
 from services.scheduler.grammar import GrammarMetrics
-from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.outputs import ReqOutput
-from services.scheduler.servicer import SchedulerServicer
+from services.scheduler.rpc.metrics import SchedulerMetrics
+from services.scheduler.core.outputs import ReqOutput
+from services.scheduler.rpc.servicer import SchedulerServicer
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "ringserve.v1.SchedulerService"

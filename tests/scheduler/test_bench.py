@@ -1,4 +1,4 @@
-"""services.scheduler.bench, the in-process engine-vs-transformers run behind `make bench`'s
+"""bench.engine_bench, the in-process engine-vs-transformers run behind `make bench`'s
 transformers target: every mode produces the whole output, and its table parses."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from bench.targets import parse_scheduler_bench
-from services.scheduler import bench
+from bench import engine_bench as bench
 
 
 def test_generate_batch_gets_a_cache_sized_to_the_workload() -> None:

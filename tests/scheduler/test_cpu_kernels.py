@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.scheduler import cpu_kernels
+from services.scheduler.kernels import cpu_kernels
 from services.scheduler.models.rotary import RotaryEmbedding
 
 

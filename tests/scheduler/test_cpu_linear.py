@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler import cpu_linear
+from services.scheduler.kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.supported(), reason="no oneDNN packed linear in this torch")
 

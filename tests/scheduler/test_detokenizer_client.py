@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from ringserve.v1 import detokenizer_pb2
-from services.scheduler import detokenizer_client
-from services.scheduler.detokenizer_client import DetokenizerPusher
+from services.scheduler.rpc import pusher as detokenizer_client
+from services.scheduler.rpc.pusher import DetokenizerPusher
 
 
 class FakeCall:

@@ -11,9 +11,9 @@ import torch
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
-from services.scheduler.cpu_linear import PackedLinear
-from services.scheduler.engine import Engine
-from services.scheduler.sampling import SamplingParams
+from services.scheduler.kernels.cpu_linear import PackedLinear
+from services.scheduler.core.engine import Engine
+from services.scheduler.model_executor.sampling import SamplingParams
 
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)

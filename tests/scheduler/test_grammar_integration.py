@@ -14,10 +14,10 @@ import pytest
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine import Engine
+from services.scheduler.core.engine import Engine
 from services.scheduler.grammar import GrammarCache, GrammarQueue
-from services.scheduler.req import Req
-from services.scheduler.sampling import SamplingParams
+from services.scheduler.core.req import Req
+from services.scheduler.model_executor.sampling import SamplingParams
 
 pytest.importorskip("xgrammar")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler import kernel_build
+from services.scheduler.kernels import kernel_build
 
 
 def test_no_compiler_means_no_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

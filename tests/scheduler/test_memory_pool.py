@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
 def test_req_to_token_pool_rows() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.scheduler.forward_batch import ForwardBatch, ForwardMode
-from services.scheduler.model_runner import ModelRunner
+from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.model_executor.model_runner import ModelRunner
 
 ATOL = 1e-4
 

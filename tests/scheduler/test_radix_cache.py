@@ -7,8 +7,8 @@ import random
 import torch
 from hypothesis import given, settings, strategies as st
 
-from services.scheduler.memory_pool import TokenToKVPool
-from services.scheduler.radix_cache import RadixCache
+from services.scheduler.kvcache.memory_pool import TokenToKVPool
+from services.scheduler.kvcache.radix_cache import RadixCache
 
 
 def make(size: int = 256) -> tuple[TokenToKVPool, RadixCache]:

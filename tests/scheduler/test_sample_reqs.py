@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from services.scheduler.finish import FinishChecker
-from services.scheduler.grammar_glue import GrammarGlue
-from services.scheduler.req import Req
-from services.scheduler.sample_reqs import sample_reqs
-from services.scheduler.sampling import SamplingParams
+from services.scheduler.core.finish import FinishChecker
+from services.scheduler.grammar.glue import GrammarGlue
+from services.scheduler.core.req import Req
+from services.scheduler.core.scheduler import sample_reqs
+from services.scheduler.model_executor.sampling import SamplingParams
 
 V, EOS = 8, 7
 FINISHER = FinishChecker(None, [EOS], 100)

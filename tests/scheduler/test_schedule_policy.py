@@ -6,12 +6,12 @@ from collections import deque
 
 import torch
 
-from services.scheduler.kv_manager import KVManager
-from services.scheduler.memory_pool import ReqToTokenPool, TokenToKVPool
-from services.scheduler.radix_cache import RadixCache
-from services.scheduler.req import Req
-from services.scheduler.sampling import SamplingParams
-from services.scheduler.schedule_policy import PrefillAdder, order_waiting
+from services.scheduler.kvcache.kv_manager import KVManager
+from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.kvcache.radix_cache import RadixCache
+from services.scheduler.core.req import Req
+from services.scheduler.model_executor.sampling import SamplingParams
+from services.scheduler.core.prefill import PrefillAdder, order_waiting
 
 
 def make_kv(size: int = 1000, rows: int = 8) -> KVManager:

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ringserve.process import ServiceProcess, free_port, python_cmd
 from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import EngineConfig
-from services.scheduler.engine import Engine
-from services.scheduler.sampling import SamplingParams
+from services.scheduler.core.engine import Engine
+from services.scheduler.model_executor.sampling import SamplingParams
 from tests.scheduler.fake_detokenizer import FakeDetokenizer
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler.cpu_kernels import NativeKernels
+from services.scheduler.kernels.cpu_kernels import NativeKernels
 from services.scheduler.models.rotary import RotaryEmbedding, Rotation
 
 

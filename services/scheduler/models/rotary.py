@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from services.scheduler.cpu_kernels import NativeKernels
+from services.scheduler.kernels.cpu_kernels import NativeKernels
 
 Rotation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 

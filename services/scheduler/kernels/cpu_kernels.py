@@ -1,0 +1,254 @@
+"""Native CPU kernels (csrc/*.c, built by kernel_build.py), called via ctypes: attention (decode and
+prefill), a decode step's K/V store, the fused elementwise steps of a layer (rotary, SiLU gate, the
+residual add with its RMSNorm) and greedy argmax.
+
+`load()` returns None when there is no compiler (a slim image) or the build fails, and callers keep
+their torch path. ctypes releases the GIL for the call. The C code trusts its pointers and sizes, so
+the wrappers check them, where a mistake is an exception; what every layer of a decode step shares
+(where each request's keys are) is checked once per step, in `decode_layout`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.scheduler.kernels.kernel_build import build
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an extend block scores at once
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """A decode step's requests in the dense decode cache (decode_cache.py), checked once for every
+    layer's calls. Request b (batch order) lives in dense row rows[b]; its new token goes to position
+    new_pos[b] of that row and to KV pool slot loc[b]. Dense row r holds lens[r] keys, the first plen[r]
+    of them in shared prefix entry[r] (entry None: no shared prefixes). All int64, contiguous."""
+    rows: torch.Tensor                 # [B]
+    lens: torch.Tensor                 # [R]
+    l_cap: int                         # positions per dense row's buffer
+    new_pos: torch.Tensor | None = None  # [B]
+    loc: torch.Tensor | None = None      # [B]
+    entry: torch.Tensor | None = None    # [R]
+    plen: torch.Tensor | None = None     # [R]
+    p_cap: int = 0                     # positions per shared prefix buffer
+    entries: int = 0                   # shared prefix buffers in use
+
+
+def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = None,
+                  new_pos: torch.Tensor | None = None, loc: torch.Tensor | None = None, pool_size: int = 0,
+                  entry: torch.Tensor | None = None, plen: torch.Tensor | None = None, p_cap: int = 0,
+                  entries: int = 0) -> DecodeLayout:
+    """Check where each request's keys are against the buffers' capacities (rows None: request b in
+    dense row b; pool_size: slots of the KV pool, for loc)."""
+    lens = lens.contiguous()
+    rows = torch.arange(len(lens), dtype=torch.int64) if rows is None else rows.contiguous()
+    for t in (lens, rows, new_pos, loc, entry, plen):
+        assert t is None or (t.dtype == torch.int64 and t.device.type == "cpu" and t.dim() == 1)
+    assert len(rows) >= 1 and 0 <= int(rows.min()) and int(rows.max()) < len(lens)
+    own = lens
+    if entry is not None:
+        assert plen is not None and entry.shape == plen.shape == lens.shape
+        entry, plen = entry.contiguous(), plen.contiguous()
+        assert 0 <= int(plen.min()) and int(plen.max()) <= p_cap
+        has = plen > 0
+        assert bool(((entry >= 0) & (entry < entries))[has].all())
+        own = lens - plen
+    assert 1 <= int(own[rows].min()) and int(own[rows].max()) <= l_cap
+    if new_pos is not None:
+        assert new_pos.shape == rows.shape and 0 <= int(new_pos.min()) and int(new_pos.max()) < l_cap
+        new_pos = new_pos.contiguous()
+    if loc is not None:
+        assert loc.shape == rows.shape and 0 <= int(loc.min()) and int(loc.max()) < pool_size
+        loc = loc.contiguous()
+    return DecodeLayout(rows, lens, l_cap, new_pos, loc, entry, plen, p_cap if entry is not None else 0,
+                        entries)
+
+
+@dataclass(frozen=True)
+class ExtendLayout:
+    """A prefill step's requests, checked once for every layer's call: request b's new tokens are rows
+    q_start[b]:q_start[b + 1] of the step's T, after prefix[b] cached ones, and its keys sit in KV pool
+    slots slots[b, :prefix[b] + new]. All int64, contiguous."""
+    slots: torch.Tensor    # [B, Lcap]
+    q_start: torch.Tensor  # [B + 1]
+    prefix: torch.Tensor   # [B]
+    tokens: int            # T
+    pool_size: int         # slots are below this
+
+
+def extend_layout(slots: torch.Tensor, q_start: torch.Tensor, prefix: torch.Tensor, pool_size: int) -> ExtendLayout:
+    slots, q_start, prefix = slots.contiguous(), q_start.contiguous(), prefix.contiguous()
+    for t in (slots, q_start, prefix):
+        assert t.dtype == torch.int64 and t.device.type == "cpu"
+    b = len(prefix)
+    assert slots.dim() == 2 and slots.shape[0] == b and q_start.shape == (b + 1,) and prefix.shape == (b,)
+    n = q_start[1:] - q_start[:-1]
+    assert int(q_start[0]) == 0 and int(n.min()) >= 0 and int(prefix.min()) >= 0
+    assert int((prefix + n).max()) <= slots.shape[1]
+    # Past each request's keys its row holds an earlier request's slots or 0: in range either way.
+    assert 0 <= int(slots.min()) and int(slots.max()) < pool_size
+    return ExtendLayout(slots, q_start, prefix, int(q_start[-1]), pool_size)
+
+
+def _check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int) -> None:
+    for t in (kt_buf, v_buf):
+        assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    assert kt_buf.shape[0] >= rows and kt_buf.shape[1:] == (h, d, l_cap)
+    assert v_buf.shape == (kt_buf.shape[0], h, l_cap, d)
+
+
+def _rows_of_heads(x: torch.Tensor) -> None:
+    """x: [B, ...]: each row's trailing dims contiguous, rows at any stride (no tensor op: per layer)."""
+    assert x.dtype == torch.float32 and x.device.type == "cpu"
+    step = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        assert size == 1 or stride == step
+        step *= size
+    assert x.shape[0] <= 1 or x.stride(0) >= step
+
+
+class NativeKernels:
+    """The library's entry points, for float32 tensors on CPU."""
+
+    def __init__(self, lib_path: Path) -> None:
+        lib = ctypes.CDLL(str(lib_path))
+        self._decode = self._fn(lib.decode_attention_f32, ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I,
+                                                                         _I, _I, _I, _F, ctypes.c_int, _P, _P, _P,
+                                                                         _P, _I])
+        self._extend = self._fn(lib.extend_attention_f32, ctypes.c_int,
+                                [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int])
+        self._store = self._fn(lib.store_kv_f32, None, [_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I])
+        self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
+        self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
+        self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int])
+        self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
+
+    @staticmethod
+    def _fn(f, restype, argtypes):
+        f.argtypes, f.restype = argtypes, restype
+        return f
+
+    @staticmethod
+    def _scratch(g: int, length: int) -> tuple[torch.Tensor, int]:
+        threads = torch.get_num_threads()  # the forward's own threads (set_num_threads / --num-threads)
+        return torch.empty(threads * g * length, dtype=torch.float32), threads
+
+    def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, layout: DecodeLayout,
+                         scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
+        [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous float32 on CPU; prefix: the shared
+        prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. Returns
+        [B, H, G, D] in batch order."""
+        b, h, g, d = q.shape
+        _rows_of_heads(q)
+        assert b == len(layout.rows)
+        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap)
+        ptrs: list[int | None] = [None] * 4
+        if layout.entry is not None:
+            assert prefix is not None
+            _check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap)
+            ptrs = [prefix[0].data_ptr(), prefix[1].data_ptr(), layout.entry.data_ptr(), layout.plen.data_ptr()]
+        out = q.new_empty(b, h, g, d)
+        scratch, threads = self._scratch(g, layout.p_cap + layout.l_cap)
+        if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
+                        layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d, layout.l_cap,
+                        scale, threads, *ptrs, layout.p_cap) != 0:
+            raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
+        return out
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layout: DecodeLayout, kt_buf: torch.Tensor,
+                 v_buf: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Write each request's new k, v ([B, H, D] float32, each request's contiguous, any stride) at
+        layout.new_pos of its dense row (kt_buf / v_buf as in decode_attention) and, with `pool`
+        ([S, H, D] K and V buffers), at pool slot layout.loc."""
+        b, h, d = k.shape
+        _rows_of_heads(k)
+        _rows_of_heads(v)
+        assert v.shape == k.shape and b == len(layout.rows) and layout.new_pos is not None
+        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap)
+        pk = pv = loc = None
+        if pool is not None:
+            assert layout.loc is not None
+            for t in pool:
+                assert t.dtype == torch.float32 and t.is_contiguous() and t.shape[1:] == (h, d)
+            pk, pv, loc = pool[0].data_ptr(), pool[1].data_ptr(), layout.loc.data_ptr()
+        self._store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), b, h, d, pk, pv, loc, kt_buf.data_ptr(),
+                    v_buf.data_ptr(), layout.rows.data_ptr(), layout.new_pos.data_ptr(), layout.l_cap)
+
+    def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
+                         scale: float) -> torch.Tensor:
+        """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
+        float32 contiguous; pool_k, pool_v: [S, H, D] float32 contiguous (S >= layout.pool_size). Token
+        i of request b sees keys [0, prefix[b] + i]. Returns [T, H, G, D]."""
+        t, h, g, d = q.shape
+        assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
+        for buf in (pool_k, pool_v):
+            assert buf.dtype == torch.float32 and buf.is_contiguous() and buf.device.type == "cpu"
+            assert buf.shape[0] >= layout.pool_size and buf.shape[1:] == (h, d)
+        b, l_cap = layout.slots.shape
+        out = torch.empty_like(q)
+        scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS) + 2 * d, l_cap)  # scores, then K^T and V tiles
+        if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
+                        layout.q_start.data_ptr(), layout.prefix.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                        b, h, g, d, l_cap, scale, threads) != 0:
+            raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
+        return out
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [T, heads, D] in place (HF rotate-half over the first 2 * half dims of each head);
+        x's heads and dims contiguous, rows at any stride. positions: [T] int64 contiguous, each below
+        len(cos) (the caller checks once per pass); cos, sin: [max_position, half] contiguous."""
+        t, heads, d = x.shape
+        half = cos.shape[1]
+        assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.device.type == "cpu"
+        assert x.stride(2) == 1 and x.stride(1) == d and 2 * half <= d
+        assert cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape
+        assert positions.shape == (t,) and positions.dtype == torch.int64 and positions.is_contiguous()
+        self._rope(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, x.stride(0), heads, d,
+                   half, torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2 I] float32 contiguous -> silu(gate) * up, [T, I]."""
+        t, two_i = gate_up.shape
+        assert gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and two_i % 2 == 0
+        gate_up = gate_up.contiguous()
+        out = gate_up.new_empty(t, two_i // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta (in place; None: no add), then RMSNorm(x) * weight as a new [T, N] tensor.
+        x, delta: [T, N] float32, rows at any stride; weight: [N] contiguous."""
+        t, n = x.shape
+        _rows_of_heads(x)
+        if delta is not None:
+            _rows_of_heads(delta)
+            assert delta.shape == x.shape
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (n,)
+        out = x.new_empty(t, n)
+        self._add_norm(x.data_ptr(), x.stride(0), _ptr(delta), 0 if delta is None else delta.stride(0),
+                       out.data_ptr(), weight.data_ptr(), t, n, eps, torch.get_num_threads())
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """torch.argmax(logits, -1) of [B, V] float32 rows (first maximum; first NaN when there is one)."""
+        b, v = logits.shape
+        _rows_of_heads(logits)
+        out = torch.empty(b, dtype=torch.int64)
+        self._argmax(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr())
+        return out.tolist()
+
+
+def load(cache: str | None = None) -> NativeKernels | None:
+    path = build(cache=cache)
+    return NativeKernels(path) if path is not None else None

@@ -1,0 +1,211 @@
+"""Loads the model, sizes and owns the KV pools, and runs forward passes (eager or CUDA graph)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from services.scheduler.kernels import cpu_linear
+from services.scheduler.model_executor import model_loader
+from services.scheduler.attention.backend import TorchSDPABackend
+from services.scheduler.kernels.cpu_kernels import load as load_cpu_kernels
+from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+CPU_KV_CAP_BYTES = 1 << 30   # CPU default: at most 1 GiB of KV ...
+CPU_KV_RAM_FRACTION = 0.15   # ... and at most this share of available RAM (the machine is shared)
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, *, device: str | None = None, dtype: str = "auto",
+                 max_total_tokens: int | None = None, mem_fraction: float = 0.85,
+                 max_running_requests: int = 256, context_length: int | None = None,
+                 cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
+                 num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
+                 kernel_cache: str | None = None) -> None:
+        t0 = time.monotonic()
+        self.model_path = model_path
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = _resolve_dtype(dtype, self.device)
+        if num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
+        # Prefill is GEMM-bound and gains from every core; a decode step is short, and its threads'
+        # barriers stall whenever another process (the services, on a shared machine) takes a core.
+        self.prefill_threads = torch.get_num_threads()
+        self.decode_threads = min(decode_threads or self.prefill_threads, self.prefill_threads)
+        self._threads = self.prefill_threads
+        if self.device.type == "cpu":
+            logger.info("CPU threads: %d for prefill, %d for decode", self.prefill_threads, self.decode_threads)
+        self.cpu_kernels = cpu_kernels
+        self.kernel_cache = kernel_cache
+        # The C kernels (attention, K/V store, rotary, SiLU gate, norms, argmax) for float32 on CPU;
+        # None: torch everywhere.
+        self.native = (load_cpu_kernels(kernel_cache)
+                       if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels else None)
+        self.argmax = self.native.argmax if self.native is not None else None  # greedy sampling's
+
+        path = model_loader.resolve_model_path(model_path)
+        self.model_config = model_loader.load_config(path)
+        self.eos_token_ids = model_loader.load_eos_token_ids(path, self.model_config)
+        cfg = self.model_config
+        self.vocab_size = cfg.vocab_size
+        self.context_length = context_length or cfg.max_position_embeddings
+        logger.info("model config: %s, %d layers, hidden %d, vocab %d, context %d, %s on %s",
+                    cfg.architectures, cfg.num_hidden_layers, cfg.hidden_size, self.vocab_size,
+                    self.context_length, self.dtype, self.device)
+
+        self.model = self._load_model(path)
+        logger.info("weights loaded in %.1fs", time.monotonic() - t0)
+
+        attn = self.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.max_total_num_tokens = self._kv_budget(max_total_tokens, mem_fraction, max_running_requests)
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, self.context_length + 4, self.device)
+        self.token_to_kv_pool = TokenToKVPool(self.max_total_num_tokens, cfg.num_hidden_layers,
+                                              self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        logger.info("KV pool: %d tokens (%.1f MiB), %d request rows", self.max_total_num_tokens,
+                    self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 2**20,
+                    max_running_requests + 1)
+        self.attn_backend = self._make_attn_backend()
+
+        self.cuda_graph_runner = None
+        if self.device.type == "cuda" and not disable_cuda_graph and cuda_graph_max_bs > 0:
+            from services.scheduler.model_executor.cuda_graph import CudaGraphRunner
+
+            t1 = time.monotonic()
+            self.cuda_graph_runner = CudaGraphRunner(self, cuda_graph_max_bs)
+            logger.info("CUDA graphs: captured bs up to %d in %.1fs", cuda_graph_max_bs, time.monotonic() - t1)
+        logger.info("model runner ready in %.1fs", time.monotonic() - t0)
+
+    # ---- setup ----
+
+    def _load_model(self, path) -> torch.nn.Module:
+        cls = get_model_class(self.model_config)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
+                model = cls(self.model_config, max_position=self.context_length)
+        finally:
+            torch.set_default_dtype(prev)
+        model = model.to_empty(device=self.device)
+        model.load_weights(model_loader.iter_weights(path))
+        model.init_rotary(self.device, self.dtype)
+        if self.native is not None:
+            model.use_native_kernels(self.native)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels and cpu_linear.supported():
+            if model.lm_head is None:  # tied: a packed copy of the embedding matrix for the logits
+                model.lm_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None)
+            logger.info("linear layers: %d on oneDNN with packed weights", cpu_linear.pack_linears(model))
+        return model.eval()
+
+    def _make_attn_backend(self) -> TorchSDPABackend:
+        # torch SDPA on CPU and CUDA alike (a flashinfer backend is not written yet; see attention.py).
+        logger.info("attention backend: torch SDPA%s", ", decode and prefill on the C kernels" if self.native else "")
+        return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
+                                self.num_heads, self.num_kv_heads, self.head_dim, native=self.native)
+
+    def _kv_budget(self, max_total_tokens: int | None, mem_fraction: float, max_running: int) -> int:
+        if max_total_tokens is not None:
+            return int(max_total_tokens)
+        per_token = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * mem_fraction
+        else:
+            budget = min(CPU_KV_CAP_BYTES, CPU_KV_RAM_FRACTION * _available_ram_bytes())
+        tokens = int(budget // per_token)
+        # More than every running request at full context is never used.
+        tokens = min(tokens, max_running * self.context_length)
+        if tokens < self.context_length:
+            logger.warning("KV budget (%d tokens) is below the context length %d", tokens, self.context_length)
+        return max(tokens, 16)
+
+    # ---- forward ----
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] float32 of each request's last new token (with batch.logit_rows: of each
+        request's last logit_rows[b] new tokens, [sum(logit_rows), V])."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
+            return self.cuda_graph_runner.replay(batch)
+        return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.device.type == "cpu":
+            self._use_threads(self.decode_threads if batch.mode == ForwardMode.DECODE else self.prefill_threads)
+        self.attn_backend.init_forward_metadata(batch)
+        if batch.mode == ForwardMode.DECODE:
+            last_index = None  # one token per request: every row is a last token
+        else:
+            last_index = _logit_index(batch.extend_lens, batch.logit_rows, self.device)
+        return self.model(batch.input_ids, batch.positions, self.attn_backend, last_index)
+
+    def _use_threads(self, n: int) -> None:
+        # Set on the calling (engine) thread every time it changes: OpenMP's thread count is per thread.
+        if n != self._threads or torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+            self._threads = n
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One tiny prefill and decode through the pools (then freed), so the first request pays no setup."""
+        row = self.req_to_token_pool.alloc()
+        slots = self.token_to_kv_pool.alloc(2)
+        try:
+            self.req_to_token_pool.req_to_token[row, :2] = slots
+            ids = torch.tensor([0, 0], dtype=torch.int64, device=self.device)
+            rows = torch.tensor([row], dtype=torch.int64, device=self.device)
+            self.forward(ForwardBatch(
+                ForwardMode.EXTEND, ids[:1], torch.zeros(1, dtype=torch.int64, device=self.device), slots[:1],
+                rows, torch.tensor([1], device=self.device), [1], [0], [1]))
+            self.forward(ForwardBatch(
+                ForwardMode.DECODE, ids[1:], torch.ones(1, dtype=torch.int64, device=self.device), slots[1:],
+                rows, torch.tensor([2], device=self.device), [1], [1], [2]))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.token_to_kv_pool.free(slots)
+            self.req_to_token_pool.free(row)
+
+
+def _logit_index(extend_lens: list[int], logit_rows: list[int] | None, device: torch.device) -> torch.Tensor | None:
+    """[R] int64 rows of the packed tokens whose logits are wanted; None when that is every row."""
+    rows = logit_rows or [1] * len(extend_lens)
+    index, end = [], 0
+    for n, k in zip(extend_lens, rows):
+        end += n
+        index.extend(range(end - k, end))
+    return None if len(index) == end else torch.tensor(index, dtype=torch.int64).to(device)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
