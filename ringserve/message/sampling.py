@@ -21,7 +21,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1                   # -1 (or 0 from OpenAI-style clients): all tokens
+    top_k: int = -1                   # -1: all tokens (0, as OpenAI-style clients say it, becomes -1)
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -40,6 +40,10 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)  # the one spelling of "all tokens" past here
 
     @property
     def is_greedy(self) -> bool:
@@ -66,9 +70,8 @@ class SamplingParams:
 
     def resolve(self, max_new_tokens: int, sample: int = 0) -> SamplingParams:
         """The parameters of sample `sample` of this request as the scheduler gets them: max_new_tokens
-        fixed, top_k's "all" spelled -1, n expanded (each sample gets seed + sample when seeded)."""
-        return replace(self, max_new_tokens=max_new_tokens, top_k=-1 if self.top_k == 0 else self.top_k, n=1,
-                       seed=None if self.seed is None else self.seed + sample)
+        fixed, n expanded (each sample gets seed + sample when seeded)."""
+        return replace(self, max_new_tokens=max_new_tokens, n=1, seed=None if self.seed is None else self.seed + sample)
 
     @classmethod
     def from_pb(cls, pb: common_pb2.SamplingParams) -> SamplingParams:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from ringserve import tls
@@ -12,12 +13,11 @@ from ringserve.grpc_server import GrpcService
 from ringserve.metrics_http import start_metrics_server
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerServerConfig
-from services.scheduler.rpc.pusher import DetokenizerPusher
+from ringserve.message import TokenDelta
 from services.scheduler.core.engine import Engine
-from services.scheduler.core.engine import EngineLoop
 from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.rpc.metrics import SchedulerMetrics
-from services.scheduler.core.outputs import ReqOutput
+from services.scheduler.rpc.pusher import DetokenizerPusher
 from services.scheduler.rpc.servicer import SchedulerServicer
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class SchedulerServer:
         log.info("health %s (push stream %s)", "SERVING" if up and not self.draining else "NOT_SERVING",
                  "open" if up else "down")
 
-    def _on_step(self, outs: list[ReqOutput]) -> None:
+    def _on_step(self, outs: list[TokenDelta]) -> None:
         if self.metrics is None:
             return
         for o in outs:
@@ -72,14 +72,16 @@ class SchedulerServer:
         log.info("model %s loaded in %.1fs; warming up", cfg.model, time.monotonic() - t0)
         await asyncio.to_thread(engine.warmup)
         log.info("warm-up done; KV pool %d tokens", engine.max_total_num_tokens)
-        self.metrics = SchedulerMetrics(cfg.model, PAGE_SIZE, engine.max_total_num_tokens, engine.load)
+        self.metrics = SchedulerMetrics(cfg.model, PAGE_SIZE, engine.max_total_num_tokens, engine.load,
+                                        engine.stats)
         self.engine = engine
-        loop: EngineLoop | None = None
-        pusher = DetokenizerPusher(cfg.detokenizer, cfg.id, on_connect=lambda: loop.request_resync(None),
-                                   on_resync=lambda owner: loop.request_resync(owner or None),
+        pusher = DetokenizerPusher(cfg.detokenizer, cfg.id, on_connect=lambda: engine.request_resync(None),
+                                   on_resync=lambda owner: engine.request_resync(owner or None),
                                    on_state=self._set_push_state)
-        loop = EngineLoop(engine, pusher, self._on_step)
-        loop.start()
+        stop = threading.Event()
+        thread = threading.Thread(target=engine.run, name="engine", daemon=True, args=(
+            stop, lambda batch, reconnect: pusher.push(batch.to_pb(), resync=reconnect), self._on_step))
+        thread.start()
         tasks = [asyncio.create_task(pusher.run())]
         await self.grpc.stopping.wait()
 
@@ -91,7 +93,9 @@ class SchedulerServer:
         deadline = time.monotonic() + cfg.grace_period_s
         while engine.has_work() and time.monotonic() < deadline:
             await asyncio.to_thread(engine.wait_idle, min(1.0, max(0.0, deadline - time.monotonic())))
-        await asyncio.to_thread(loop.stop)
+        stop.set()
+        engine.wake()
+        await asyncio.to_thread(thread.join, 10.0)
         self.servicer.closing = True  # Connect streams end cleanly (OK) at their next wake-up
         await pusher.flush_and_stop()
         await asyncio.wait({tasks[0]}, timeout=5.0)  # the push stream delivers the last batches

@@ -10,6 +10,7 @@ import threading
 import uuid
 
 import jsonschema
+import grpc
 import pytest
 
 from ringserve.text_tokenizer import TextTokenizer
@@ -103,14 +104,14 @@ def test_invalid_constraint_aborts_with_invalid_argument(engine: Engine, kind: s
     ok, bad = engine.generate([rand_ids(6, 6)] * 2, [SamplingParams(temperature=0.0, max_new_tokens=4),
                                                      SamplingParams(max_new_tokens=4, **{kind: text})])
     assert ok.finish.type == "length"
-    assert bad.finish.type == "abort" and bad.finish.status_code == 3 and not bad.output_ids
+    assert bad.finish.type == "abort" and bad.finish.status == grpc.StatusCode.INVALID_ARGUMENT and not bad.output_ids
     assert bad.finish.message.startswith(f"sampling_params.{kind}: ")
 
 
 def test_disabled_backend_refuses_with_unimplemented(engine: Engine, monkeypatch) -> None:
     monkeypatch.setattr(engine.grammar, "queue", None)
     (r,) = engine.generate([rand_ids(6, 7)], SamplingParams(max_new_tokens=4, regex="a+"))
-    assert r.finish.type == "abort" and r.finish.status_code == 12
+    assert r.finish.type == "abort" and r.finish.status == grpc.StatusCode.UNIMPLEMENTED
     assert r.finish.message == "sampling_params.regex: constrained decoding is disabled"
 
 
@@ -164,7 +165,7 @@ def test_compile_timeout_aborts_only_that_request(engine: Engine, tok: TextToken
         gated.gate.set()
         queue.close()
     timed_out, word, plain = outs
-    assert timed_out.finish.type == "abort" and timed_out.finish.status_code == 4  # DEADLINE_EXCEEDED
+    assert timed_out.finish.type == "abort" and timed_out.finish.status == grpc.StatusCode.DEADLINE_EXCEEDED
     assert timed_out.finish.message.startswith("sampling_params.regex: ") and not timed_out.output_ids
     assert word.finish.type == "stop" and re.fullmatch(WORD, text_of(tok, word.output_ids))
     assert plain.finish.type == "length" and len(plain.output_ids) == 8

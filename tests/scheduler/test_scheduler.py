@@ -8,6 +8,7 @@ import pytest
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
+from ringserve.errors import InvalidArgument
 from services.scheduler.core.engine import Engine, QueueFull
 from services.scheduler.core.req import Req
 from services.scheduler.model_executor.sampling import SamplingParams
@@ -130,10 +131,10 @@ def test_streaming_emits_every_step_and_params_once(engine: Engine) -> None:
             by_rid[o.rid].append(o)
     s = by_rid["s1"]
     assert [len(o.ids) for o in s] == [1] * 5 and [o.offset for o in s] == list(range(5))
-    assert s[0].decode_params is not None and all(o.decode_params is None for o in s[1:])
+    assert s[0].params is not None and all(o.params is None for o in s[1:])
     assert s[-1].finish is not None and s[-1].timings is not None
     n, = by_rid["n1"]  # non-streaming: once, at finish, with all ids
-    assert n.offset == 0 and len(n.ids) == 5 and n.finish is not None and n.decode_params is not None
+    assert n.offset == 0 and len(n.ids) == 5 and n.finish is not None and n.params is not None
 
 
 def test_stream_interval_batches_tokens_but_not_the_first_or_the_last(engine: Engine) -> None:
@@ -158,7 +159,7 @@ def test_resync_returns_full_state(engine: Engine) -> None:
     for _ in range(4):
         engine.step()
     (live,) = [o for o in engine.resync("own") if o.rid == "r1"]
-    assert live.offset == 0 and len(live.ids) == 4 and live.decode_params is not None and live.finish is None
+    assert live.offset == 0 and len(live.ids) == 4 and live.params is not None and live.finish is None
     assert all(o.rid != "r1" for o in engine.resync("someone-else"))
     ok, msg = engine.flush_cache()
     assert not ok and "running" in msg  # refused while anything runs
@@ -176,10 +177,8 @@ def test_queue_limit_and_bad_prompt(engine: Engine) -> None:
         engine.submit(Req(rid="q-over", origin_input_ids=[5, 6], params=greedy(max_new_tokens=1)))
     while engine.has_work():
         engine.step()
-    engine.submit(Req(rid="empty", origin_input_ids=[], params=greedy()))
-    out = engine.step()
-    (o,) = [o for o in out if o.rid == "empty"]
-    assert o.finish.type == "abort" and o.finish.status_code == 3
+    with pytest.raises(InvalidArgument):  # refused at submit, the one channel (a Rejection when served)
+        engine.submit(Req(rid="empty", origin_input_ids=[], params=greedy()))
 
 
 def test_lpm_and_fcfs_give_the_same_greedy_tokens(model_dir: str, engine: Engine) -> None:
@@ -200,7 +199,7 @@ def test_step_profile_counts_steps_time_and_decode_rows(engine: Engine) -> None:
     assert steps_p >= 1 and steps_d >= 4 and st.prefill_s > before[2] and st.decode_s > before[3]
     # Each request's first token comes from its prefill, the other four from decode steps.
     assert st.decode_rows - before[4] == sum(len(o.output_ids) - 1 for o in outs) == 8
-    load = engine.load()
+    load = engine.stats()  # the snapshot the metrics read
     assert (load.prefill_steps, load.decode_steps, load.decode_rows) == (st.prefill_steps, st.decode_steps,
                                                                          st.decode_rows)
 

@@ -1,56 +1,46 @@
-"""The engine: model runner + radix cache + scheduler behind a thread-safe intake.
+"""The engine: the model runner, the KV caches and the Scheduler, stepped by one thread.
 
-Other threads call `submit`, `abort`, `abort_owner` (they only queue work, bounded) and read `load()`
-(a snapshot taken after each step). One thread calls `step()`; `flush_cache` and `resync` take the
-same lock as `step`, so they are safe from any thread. Knows nothing of gRPC.
+A step is one path (`step`): receive what the inbox holds -> schedule a batch -> forward it on the
+model runner -> process the sampled tokens -> send this step's deltas. `run` is the engine thread
+around it: wait for work, step, hand each step's StepBatch to the push stream.
+
+Other threads only `submit` / `abort` / `abort_owner` / `request_resync` (they queue into the inbox,
+bounded) and read `load()` / `stats()` (snapshots taken after each step). `flush_cache` and `resync`
+take the step's lock, so they are safe from any thread. Knows nothing of gRPC.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 
+from ringserve.message import Load, SamplingParams, StepBatch, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
+from services.scheduler.core import prompt_logprobs
 from services.scheduler.core.finish import FinishChecker
+from services.scheduler.core.inbox import AbortOwner, AbortRid, Inbox, QueueFull, Resync
+from services.scheduler.core.outputs import GenerationResult, make_output
+from services.scheduler.core.prefill import default_chunk_size
+from services.scheduler.core.req import Req
+from services.scheduler.core.scheduler import Scheduler, SchedulerStats
 from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.grammar.setup import GrammarPrefetch, build_grammar
 from services.scheduler.kvcache.kv_manager import KVManager
-from services.scheduler.model_executor.model_runner import ModelRunner
-from services.scheduler.core.outputs import GenerationResult, ReqOutput, make_output
 from services.scheduler.kvcache.radix_cache import RadixCache
-from services.scheduler.core.req import Req
-from services.scheduler.model_executor.sampling import SamplingParams
-from services.scheduler.core.prefill import default_chunk_size
-from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.model_executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 THROUGHPUT_WINDOW_S = 1.0
+IDLE_WAIT_S = 0.5
 
-
-class QueueFull(Exception):
-    """The waiting queue is at --max-queued-requests."""
-
-
-@dataclass(frozen=True)
-class Load:
-    num_running_reqs: int = 0
-    num_queue_reqs: int = 0
-    num_used_tokens: int = 0
-    max_total_num_tokens: int = 0
-    token_usage: float = 0.0
-    cache_hit_rate: float = 0.0
-    gen_throughput: float = 0.0
-    num_retracted_reqs: int = 0
-    # The step profile since start (SchedulerStats): steps, seconds, requests per decode step.
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_rows: int = 0
+# send(batch, reconnect): reconnect marks the full resync after the push stream (re)connected.
+Send = Callable[[StepBatch, bool], None]
 
 
 class Engine:
@@ -79,13 +69,11 @@ class Engine:
             chunked_prefill_size=self.chunked_prefill_size, stream_interval=cfg.stream_interval,
             grammar=self.grammar, mixed_chunk=cfg.enable_mixed_chunk,
             decode_interleave=not cfg.disable_decode_interleave)
+        self.inbox = Inbox(cfg.max_queued_requests, self.max_prompt_tokens)
         self._lock = threading.Lock()          # serializes step / flush / resync
-        self._intake_lock = threading.Condition()
-        # Intake events in arrival order: ("req", Req) | ("abort", rid) | ("owner", owner).
-        self._intake: deque[tuple[str, object]] = deque()
-        self._num_new = 0
-        self._queued = 0                        # submitted, not yet admitted past the waiting queue
+        self._resyncs: list[tuple[str | None, list[TokenDelta]]] = []  # computed at a step's start
         self._load = Load(max_total_num_tokens=self.max_total_num_tokens)
+        self._stats = SchedulerStats()
         self._window = (time.monotonic(), 0)
         self._throughput = 0.0
         self._last_step = 0.0
@@ -101,80 +89,101 @@ class Engine:
     # -- intake (any thread) ---------------------------------------------------------------------
 
     def submit(self, req: Req) -> None:
-        """Queue a request; raises QueueFull at --max-queued-requests."""
-        with self._intake_lock:
-            if self._queued >= self.cfg.max_queued_requests:
-                raise QueueFull(f"{self._queued} requests queued (max {self.cfg.max_queued_requests})")
-            self._queued += 1
-            self._num_new += 1
-            self._intake.append(("req", req))
-            self._intake_lock.notify()
+        """Queue a request; raises InvalidArgument (prompt) or QueueFull (--max-queued-requests)."""
+        self.inbox.submit(req)
 
     def abort(self, rids: list[str]) -> None:
-        with self._intake_lock:
-            self._intake.extend(("abort", rid) for rid in rids)
-            self._intake_lock.notify()
+        for rid in rids:
+            self.inbox.put(AbortRid(rid))
 
     def abort_owner(self, owner: str) -> None:
         """Abort every request of a tokenizer replica (its Connect stream ended)."""
-        with self._intake_lock:
-            self._intake.append(("owner", owner))
-            self._intake_lock.notify()
+        self.inbox.put(AbortOwner(owner))
 
-    def wait_for_work(self, timeout: float) -> bool:
-        """Block until there is something to do (or timeout); the engine thread's idle wait."""
-        with self._intake_lock:
-            if not (self._intake or self.scheduler.has_work()):
-                deadline = self.grammar.next_deadline_s()  # a compile timeout must fire while idle
-                self._intake_lock.wait(timeout if deadline is None else min(timeout, deadline))
-            return bool(self._intake or self.scheduler.has_work())
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Block until no request is queued, compiling its grammar or running (or timeout); True when idle."""
-        with self._intake_lock:
-            if self.has_work():
-                self._intake_lock.wait(timeout)
-            return not self.has_work()
+    def request_resync(self, owner: str | None) -> None:
+        """Re-send full state for owner's requests (None: all, after the push stream reconnected)."""
+        self.inbox.put(Resync(owner))
 
     def wake(self) -> None:
-        with self._intake_lock:
-            self._intake_lock.notify_all()
+        self.inbox.wake()
 
-    # -- the step (one thread) -------------------------------------------------------------------
+    # -- the step (the engine thread) ------------------------------------------------------------
 
-    def step(self) -> list[ReqOutput]:
+    def step(self) -> list[TokenDelta]:
+        """One step: receive -> schedule -> forward -> process -> send (what it returns)."""
         with self._lock:
-            self._drain_intake()
-            out = self.scheduler.step()
-            with self._intake_lock:
-                self._queued = self._num_new + self.scheduler.num_queued()
-            self._update_load(len(out) > 0)
-            if not self.scheduler.has_work():
-                with self._intake_lock:
-                    self._intake_lock.notify_all()  # wakes wait_idle (drain)
+            self.recv()
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                t0 = time.monotonic()
+                logits = prompt_logprobs.take(batch.reqs, batch.forward, self.runner.forward(batch.forward))  # [B, V]
+                self.scheduler.process_results(batch, self.scheduler.sample(batch, logits), time.monotonic() - t0)
+            out = self.scheduler.take_outputs()
+            self._update_load()
+        if not self.has_work():
+            self.inbox.wake()  # wait_idle (the drain)
         for o in out:
             if o.finish is not None:
                 log.info("rid=%s finished %s output_tokens=%d cached_tokens=%d", o.rid, o.finish.type,
                          o.offset + len(o.ids), o.cached_tokens)
         return out
 
-    def _drain_intake(self) -> None:
-        with self._intake_lock:
-            events, self._intake = self._intake, deque()
-            self._num_new = 0
+    def recv(self) -> None:
+        """The inbox, in arrival order: an abort applies to what came before it; resyncs are taken
+        before this step runs, so they reach the detokenizer ahead of its deltas."""
         sched = self.scheduler
-        for kind, arg in events:  # in arrival order: an abort applies to what came before it
-            if kind == "req":
-                sched.add_request(arg)
-                log.info("rid=%s queued prompt_tokens=%d owner=%s", arg.rid, arg.prompt_tokens, arg.owner)
-            elif kind == "abort":
-                for r in sched.abort(lambda r, rid=arg: r.rid == rid):
+        for msg in self.inbox.take():
+            if isinstance(msg, Req):
+                sched.add_request(msg)
+                log.info("rid=%s queued prompt_tokens=%d owner=%s", msg.rid, msg.prompt_tokens, msg.owner)
+            elif isinstance(msg, AbortRid):
+                for r in sched.abort(lambda r, rid=msg.rid: r.rid == rid):
                     log.info("rid=%s aborted", r.rid)
-            else:
-                for r in sched.abort(lambda r, owner=arg: r.owner == owner):
+            elif isinstance(msg, AbortOwner):
+                for r in sched.abort(lambda r, owner=msg.owner: r.owner == owner):
                     log.info("rid=%s aborted owner=%s (stream closed)", r.rid, r.owner)
+            else:
+                self._resyncs.append((msg.owner, self._resync(msg.owner)))
 
-    def _update_load(self, produced: bool) -> None:
+    def run(self, stop: threading.Event, send: Send, on_step: Callable[[list[TokenDelta]], None] | None = None) -> None:
+        """The engine thread until `stop`: wait for work, step, send. A bug exits the process (to be
+        restarted) rather than leave the service up with a dead engine."""
+        while not stop.is_set():
+            if not self.wait_for_work(IDLE_WAIT_S):
+                continue
+            try:
+                out = self.step()
+            except Exception:
+                log.exception("engine step failed; exiting")
+                logging.shutdown()
+                os._exit(1)
+            for owner, outs in self.take_resyncs():
+                send(StepBatch(outs, sent_at=time.time(), resync=True), owner is None)
+                log.info("resync sent owner=%s requests=%d", owner or "*", len(outs))
+            if out:
+                send(StepBatch(out, sent_at=time.time()), False)
+            if on_step is not None:
+                on_step(out)
+
+    def take_resyncs(self) -> list[tuple[str | None, list[TokenDelta]]]:
+        with self._lock:
+            out, self._resyncs = self._resyncs, []
+        return out
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block until there is something to do (or timeout); the engine thread's idle wait."""
+        busy = self.scheduler.has_work()
+        deadline = None if busy else self.grammar.next_deadline_s()  # a compile timeout must fire while idle
+        return self.inbox.wait(timeout if deadline is None else min(timeout, deadline), busy)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until no request is queued, compiling its grammar or running (or timeout); True when idle."""
+        end = time.monotonic() + timeout
+        while self.has_work() and time.monotonic() < end:
+            self.inbox.wait(min(0.05, max(0.0, end - time.monotonic())), busy=False)
+        return not self.has_work()
+
+    def _update_load(self) -> None:
         s = self.scheduler
         now = time.monotonic()
         start, gen0 = self._window
@@ -183,27 +192,31 @@ class Engine:
             self._window = (now, s.stats.generated_tokens)
         used = self.kv.used_tokens()
         st = s.stats
+        self.inbox.queued = s.num_queued()
         self._load = Load(
             num_running_reqs=len(s.running) + (s.chunked is not None), num_queue_reqs=s.num_queued(),
             num_used_tokens=used, max_total_num_tokens=self.max_total_num_tokens,
             token_usage=used / self.max_total_num_tokens,
             cache_hit_rate=st.cached_prompt_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
-            gen_throughput=self._throughput, num_retracted_reqs=st.retractions,
-            prefill_steps=st.prefill_steps, decode_steps=st.decode_steps, prefill_s=st.prefill_s,
-            decode_s=st.decode_s, decode_rows=st.decode_rows)
+            gen_throughput=self._throughput)
+        self._stats = dataclasses.replace(st)
         self._last_step = now
 
     def load(self) -> Load:
         """The last step's snapshot (safe from any thread; never waits for a step)."""
         ld = self._load
         if time.monotonic() - self._last_step > 2 * THROUGHPUT_WINDOW_S and ld.gen_throughput:
-            ld = Load(**{**ld.__dict__, "gen_throughput": 0.0})
-        pending = self._num_new
-        return Load(**{**ld.__dict__, "num_queue_reqs": ld.num_queue_reqs + pending}) if pending else ld
+            ld = dataclasses.replace(ld, gen_throughput=0.0)
+        pending = self.inbox.pending_requests
+        return dataclasses.replace(ld, num_queue_reqs=ld.num_queue_reqs + pending) if pending else ld
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters as of the last step (safe from any thread)."""
+        return self._stats
 
     def has_work(self) -> bool:
         """Anything not finished: intake, queued, compiling a grammar, running or unsent output."""
-        return bool(self._intake) or self.scheduler.has_work() or len(self.grammar) > 0
+        return bool(self.inbox) or self.scheduler.has_work() or len(self.grammar) > 0
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -212,39 +225,41 @@ class Engine:
             if self.has_work():
                 return False, "requests are running or queued"
             self.kv.flush()
-            self._update_load(False)
+            self._update_load()
             log.info("prefix cache flushed")
             return True, ""
 
-    def resync(self, owner: str | None) -> list[ReqOutput]:
+    def resync(self, owner: str | None) -> list[TokenDelta]:
         """Full state (offset 0, all ids, params) of live and recently finished requests of owner (None: all)."""
         with self._lock:
-            s = self.scheduler
-            outs = []
-            for req in [*s.live_reqs(), *s.recent_finished()]:
-                if owner is not None and req.owner != owner:
-                    continue
-                if not req.finished and not (req.stream and req.params_sent):
-                    continue  # it will carry its params on its first delta anyway
-                outs.append(make_output(req, full=True))
-            return outs
+            return self._resync(owner)
 
-    # -- convenience -----------------------------------------------------------------------------
+    def _resync(self, owner: str | None) -> list[TokenDelta]:
+        s = self.scheduler
+        outs = []
+        for req in [*s.live_reqs(), *s.recent_finished()]:
+            if owner is not None and req.owner != owner:
+                continue
+            if not req.finished and not (req.stream and req.params_sent):
+                continue  # it will carry its params on its first delta anyway
+            outs.append(make_output(req, full=True))
+        return outs
+
+    # -- in-process use (tests, benchmarks) ------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  return_logprob: bool = False, top_logprobs_num: int = 0,
                  logprob_start_len: int = -1) -> list[GenerationResult]:
-        """Submit all prompts and step until every one finished (in-process use: tests, benchmarks)."""
+        """Submit all prompts and step until every one finished."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         base = f"gen-{time.monotonic_ns()}"
-        results = {f"{base}-{i}": GenerationResult(rid=f"{base}-{i}") for i in range(len(prompts))}
-        pending = deque(Req(rid=rid, origin_input_ids=list(ids), params=p, stream=False,
-                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                            logprob_start_len=logprob_start_len)
-                        for rid, ids, p in zip(results, prompts, params))
-        left = len(results)
-        while left:
+        reqs = [Req(rid=f"{base}-{i}", origin_input_ids=list(ids), params=p, stream=False,
+                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                    logprob_start_len=logprob_start_len)
+                for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]
+        pending = deque(reqs)
+        while not all(r.finished for r in reqs):
             while pending:  # as many as the queue takes; the rest after the next step
                 try:
                     self.submit(pending[0])
@@ -253,14 +268,5 @@ class Engine:
                 pending.popleft()
             if not self.scheduler.has_work():  # only grammars compiling: sleep until one is ready
                 self.wait_for_work(0.05)
-            for out in self.step():
-                res = results.get(out.rid)
-                if res is None or out.finish is None:
-                    continue
-                res.output_ids = out.ids
-                res.logprobs = out.logprobs or []
-                res.top_logprobs = out.top_logprobs or []
-                res.input_logprobs = out.input_logprobs or []
-                res.finish, res.cached_tokens, res.prompt_tokens = out.finish, out.cached_tokens, out.prompt_tokens
-                left -= 1
-        return list(results.values())
+            self.step()
+        return [GenerationResult.of(r) for r in reqs]

@@ -7,7 +7,8 @@ past it is generated. Order follows SGLang: max_new_tokens first, then tokens, t
 from __future__ import annotations
 
 from ringserve.text_tokenizer import TextTokenizer
-from services.scheduler.core.req import FinishInfo, Req
+from ringserve.message import Finish
+from services.scheduler.core.req import Req
 
 # A character is at most 4 UTF-8 bytes and a byte-level token at least one byte, so a stop string of
 # k characters spans at most 4k tokens; +2 covers the token boundary on each side.
@@ -28,22 +29,22 @@ class FinishChecker:
             ids |= self.eos
         return sorted(ids)
 
-    def check(self, req: Req) -> FinishInfo | None:
+    def check(self, req: Req) -> Finish | None:
         """Call after appending the newest token to req.output_ids."""
         p = req.params
         n = len(req.output_ids)
         if n >= p.max_tokens:
-            return FinishInfo("length")
+            return Finish("length")
         if n >= p.min_new_tokens:
             token = req.output_ids[-1]
             if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
-                return FinishInfo("stop", matched_token=token)
+                return Finish("stop", matched_token=token)
             if p.stop:
                 matched = self._match_stop_str(req)
                 if matched is not None:
-                    return FinishInfo("stop", matched_str=matched)
+                    return Finish("stop", matched_str=matched)
         if req.seq_len >= self.max_seq_len:
-            return FinishInfo("length")
+            return Finish("length")
         return None
 
     def _match_stop_str(self, req: Req) -> str | None:

@@ -18,6 +18,10 @@ from ringserve.message import Finish, SamplingParams, Timings
 from ringserve.v1 import scheduler_pb2
 
 
+TopLogprobs = list[tuple[int, float]]                          # (token id, logprob), most likely first
+PromptLogprob = tuple[int, float, TopLogprobs | None]          # (token id, logprob, alternatives)
+
+
 class ReqStatus(Enum):
     """Where a request is. The scheduler sets it whenever it moves the request between its containers."""
 
@@ -70,11 +74,11 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     # The chosen token's logprob and its top alternatives, per output token (when asked for).
     output_logprobs: list[float | None] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     # Prompt logprobs (prompt_logprobs.py): from this position on (-1: none), as (token id, logprob,
     # top alternatives) per prompt position; position 0 has no logprob (nan).
     logprob_start_len: int = -1
-    input_logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
+    input_logprobs: list[PromptLogprob] = field(default_factory=list)
     input_logprobs_sent: bool = False
 
     # KV state.

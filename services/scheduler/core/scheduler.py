@@ -1,43 +1,65 @@
-"""The scheduling loop: waiting queue -> (chunked) prefill -> running batch -> decode, one step at a time.
+"""The scheduling core: waiting queue -> (chunked) prefill -> running batch -> decode, and what each
+step's tokens do to the requests.
 
-`step()` is the whole loop body: schedule a prefill within the budgets (the running requests decode
-in it with mixed_chunk, mixed.py), else decode every running request (retracting some if the KV pool
-is short); run the forward; sample; append tokens, decide finishes, release KV; return what to emit.
-With decode_interleave a decode step follows every prefill step while requests run, so a burst of
-prompts does not stall them for the whole burst, and each chunk's requests start decoding (and later
-finish) at once instead of all together: their successors then arrive spread out, not as another burst.
+The Engine calls, once per step: `add_request` / `abort` (what the inbox held), `schedule` (a prefill
+within the budgets, the running requests decoding in it with mixed_chunk; else decode every running
+request, retracting some if the KV pool is short), `sample` and `process_results` (append tokens,
+decide finishes, release KV), and `take_outputs`. With decode_interleave a decode step follows every
+prefill step while requests run, so a burst of prompts does not stall them for the whole burst, and
+each chunk's requests start decoding (and later finish) at once instead of all together.
 Constrained requests (json_schema / regex / ebnf) join `waiting` only once their grammar compiled
-(grammar_glue.py); their logits rows are masked before sampling. Not thread-safe: the Engine
+(grammar/glue.py); their logits rows are masked before sampling. Not thread-safe: the Engine
 serializes calls.
+
+Containers and statuses: `grammar` (GRAMMAR) -> `waiting` (WAITING) -> `chunked` (PREFILL, at most one)
+-> `running` (RUNNING) -> FINISHED; a retraction sends a running request back to `waiting`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import torch
 
+from ringserve.message import Finish, TokenDelta
 from services.scheduler.core import prompt_logprobs
-from services.scheduler.core.decode import build_decode_batch
+from services.scheduler.core.decode import RunningBatch
 from services.scheduler.core.finish import FinishChecker
-from services.scheduler.model_executor.forward_batch import ForwardBatch
+from services.scheduler.core.outputs import make_output
+from services.scheduler.core.prefill import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY,
+                                             PrefillAdder, order_waiting)
+from services.scheduler.core.req import Req, ReqStatus
 from services.scheduler.grammar.glue import GrammarGlue
 from services.scheduler.kvcache.kv_manager import KVManager
-from services.scheduler.model_executor.forward_batch import mix
-from services.scheduler.core.outputs import ReqOutput, make_output
-from services.scheduler.core.prefill import build_extend_batch
-from services.scheduler.core.req import FinishInfo, Req
-from services.scheduler.core.decode import retract_for_decode
-from services.scheduler.core.scheduler import sample_reqs
-from services.scheduler.model_executor.sampling import make_generator
-from services.scheduler.core.prefill import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
-                                                NEW_TOKEN_RATIO_DECAY, PrefillAdder, order_waiting)
-from services.scheduler.core.scheduler import SchedulerStats
+from services.scheduler.model_executor.forward_batch import ForwardBatch
+from services.scheduler.model_executor.model_runner import ModelRunner
+from services.scheduler.model_executor.sampling import SamplingBatchInfo, make_generator, sample
 
 RECENT_FINISHED_S = 60.0
 RECENT_FINISHED_MAX = 4096
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (metrics, the benchmark's step profile, tests)."""
+
+    prefill_tokens: int = 0        # tokens computed by prefill forwards (cached prefixes excluded)
+    prompt_tokens: int = 0         # prompt tokens of requests at their first prefill
+    cached_prompt_tokens: int = 0  # of which served from the radix cache
+    generated_tokens: int = 0
+    retractions: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0           # prefill steps that also decoded the running batch
+    finished: int = 0
+    # The step profile: seconds in forward + sampling + results, and requests per decode step.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_rows: int = 0
 
 
 @dataclass
@@ -50,7 +72,7 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, runner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
+    def __init__(self, runner: ModelRunner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
                  max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int,
                  stream_interval: int = 1, grammar: GrammarGlue | None = None, mixed_chunk: bool = False,
                  decode_interleave: bool = True) -> None:
@@ -67,42 +89,36 @@ class Scheduler:
         self._decode_next = False   # the last step was a prefill: the running requests' turn
         self.device = runner.device
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
+        self.running = RunningBatch()
         self.chunked: Req | None = None   # mid-prefill; continues first in the next prefill
         # Constrained requests wait in the grammar queue, not in waiting, until their matcher is ready.
         self.grammar = grammar if grammar is not None else GrammarGlue(None, None)
         self.recent: deque[tuple[float, Req]] = deque(maxlen=RECENT_FINISHED_MAX)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
-        self._emit: list[ReqOutput] = []
+        self._emit: list[TokenDelta] = []
 
-    # -- the loop ------------------------------------------------------------------------------
+    # -- scheduling ----------------------------------------------------------------------------
 
-    def step(self) -> list[ReqOutput]:
+    def schedule(self) -> Batch | None:
+        """This step's batch: a prefill, else a decode (decode first right after a prefill when
+        interleaving); None when there is nothing to run."""
         for req, failed in self.grammar.poll():  # grammars that compiled (or failed) since the last step
             if failed is not None:
                 self.finish(req, failed)
             else:
-                self.waiting.append(req)
+                self._wait(req)
         first, then = ((self.schedule_decode, self.schedule_prefill) if self._decode_next and self.running
                        else (self.schedule_prefill, self.schedule_decode))
         batch = first() or then()
         self._decode_next = self.decode_interleave and batch is not None and batch.is_prefill
-        if batch is not None:
-            t0 = time.monotonic()
-            logits = prompt_logprobs.take(batch.reqs, batch.forward, self.runner.forward(batch.forward))  # [B, V]
-            next_ids = self.sample(batch, logits)
-            self.process_results(batch, next_ids, time.monotonic() - t0)
-        out, self._emit = self._emit, []
-        return out
-
-    # -- scheduling ----------------------------------------------------------------------------
+        return batch
 
     def schedule_prefill(self) -> Batch | None:
         if not self.waiting and self.chunked is None:
             return None
         order_waiting(self.waiting, self.policy, self.kv)
-        adder = PrefillAdder(self.kv, self.running, self.max_prefill_tokens, self.chunked_prefill_size,
+        adder = PrefillAdder(self.kv, self.running.reqs, self.max_prefill_tokens, self.chunked_prefill_size,
                              self.max_running, self.new_token_ratio, self.runner.vocab_size)
         if self.chunked is not None:
             req = self.chunked
@@ -128,37 +144,38 @@ class Scheduler:
             return None
         now = time.monotonic()
         for req in adder.reqs:
+            req.status = ReqStatus.PREFILL
             if not req.timings.first_scheduled:  # first prefill: count what the cache saved it
                 req.timings.first_scheduled = now
                 req.cached_tokens = req.kv_len
                 self.stats.prompt_tokens += len(req.origin_input_ids)
                 self.stats.cached_prompt_tokens += req.kv_len
-        fb = build_extend_batch(adder.reqs, adder.extend_lens, adder.slots,
-                                self.kv.req_pool.req_to_token, self.device)
-        fb.logit_rows = prompt_logprobs.logit_rows(adder.reqs, adder.extend_lens)
-        rows = [i for i, (r, n) in enumerate(zip(adder.reqs, adder.extend_lens)) if r.kv_len + n == len(r.fill_ids)]
+        fb = adder.forward_batch(self.kv.req_pool.req_to_token, self.device)
+        rows = [i for i, (r, n) in enumerate(zip(adder.reqs, adder.extend_lens, strict=True))
+                if r.kv_len + n == len(r.fill_ids)]
         self.stats.prefill_tokens += sum(adder.extend_lens)
         self.stats.prefill_steps += 1
         batch = Batch(adder.reqs, fb, rows, is_prefill=True)
         return self._with_running(batch) if self.mixed_chunk and self.running else batch
 
     def _with_running(self, batch: Batch) -> Batch:
-        """The running requests decode in the prefill's forward pass (mixed.py), when the pool has room."""
+        """The running requests decode in the prefill's forward pass (ForwardBatch.mix), when the pool has room."""
         slots = self.kv.alloc(len(self.running))
         if slots is None:
             return batch  # the next decode step retracts as usual
-        dec = build_decode_batch(self.running, slots, self.kv.req_pool.req_to_token, self.device)
+        dec = self.running.forward_batch(slots, self.kv.req_pool.req_to_token, self.device)
         self.stats.mixed_steps += 1
-        rows = batch.sample_rows + list(range(len(batch.reqs), len(batch.reqs) + len(self.running)))
-        return Batch(batch.reqs + self.running, mix(batch.forward, dec), rows, True, len(self.running))
+        n = len(self.running)
+        rows = batch.sample_rows + list(range(len(batch.reqs), len(batch.reqs) + n))
+        return Batch(batch.reqs + self.running.reqs, ForwardBatch.mix(batch.forward, dec), rows, True, n)
 
     def schedule_decode(self) -> Batch | None:
         if not self.running:
             return None
-        self.running, retracted = retract_for_decode(self.running, self.kv)
+        retracted = self.running.retract(self.kv)
         if retracted:
             self.stats.retractions += len(retracted)
-            self.waiting.extendleft(reversed(retracted))  # first in line, in their running order
+            self.waiting.extendleft(reversed(retracted))  # first in line
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         slots = self.kv.alloc(len(self.running))
         if slots is None and self.chunked is not None:
@@ -166,16 +183,17 @@ class Scheduler:
             self._requeue_chunked()
             slots = self.kv.alloc(len(self.running))
         if slots is None:  # one request alone outgrew the pool: end it rather than loop forever
-            req = self.running.pop()
-            self.finish(req, FinishInfo("length"))
+            req = self.running.reqs.pop()
+            self.finish(req, Finish("length"))
             return self.schedule_decode()
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats.decode_steps += 1
-        fb = build_decode_batch(self.running, slots, self.kv.req_pool.req_to_token, self.device)
-        return Batch(list(self.running), fb, list(range(len(self.running))), is_prefill=False)
+        fb = self.running.forward_batch(slots, self.kv.req_pool.req_to_token, self.device)
+        return Batch(list(self.running.reqs), fb, list(range(len(self.running))), is_prefill=False)
 
     def _requeue_chunked(self) -> None:
         req, self.chunked = self.chunked, None
+        assert req is not None
         self.kv.release(req, cache=True)
         req.reset_for_recompute()
         self.stats.retractions += 1
@@ -184,6 +202,7 @@ class Scheduler:
     # -- sampling and results ------------------------------------------------------------------
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> list[int]:
+        """logits: [len(batch.reqs) or the sampled rows, V] on the device. Each sampled row's next id."""
         rows = batch.sample_rows
         if len(rows) != len(batch.reqs):
             logits = logits[rows]
@@ -194,13 +213,13 @@ class Scheduler:
         now = time.monotonic()
         if batch.is_prefill:
             prefilled = len(batch.reqs) - batch.num_decode
-            for req, n in zip(batch.reqs[:prefilled], batch.forward.extend_lens):
+            for req, n in zip(batch.reqs[:prefilled], batch.forward.extend_lens, strict=False):
                 req.kv_len += n
                 req.timings.prefill_s += elapsed
                 self.kv.cache_prefix(req)
             for req in batch.reqs[prefilled:]:  # a mixed step's decode rows
                 req.kv_len += 1
-            still_running = [] if batch.num_decode else self.running  # mixed: all re-added below
+            still_running = [] if batch.num_decode else self.running.reqs  # mixed: all re-added below
             self.stats.prefill_s += elapsed
         else:
             for req in batch.reqs:
@@ -208,10 +227,10 @@ class Scheduler:
             still_running = []
             self.stats.decode_s += elapsed
             self.stats.decode_rows += len(batch.reqs)
-        for row, token in zip(batch.sample_rows, next_ids):
+        for row, token in zip(batch.sample_rows, next_ids, strict=True):
             req = batch.reqs[row]
             if req.params.max_tokens == 0:  # a prompt scored, nothing generated (SGLang, OpenAI echo)
-                self.finish(req, FinishInfo("length"))
+                self.finish(req, Finish("length"))
                 continue
             req.output_ids.append(token)
             req.timings.last_token = now
@@ -219,45 +238,52 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
                 continue
+            req.status = ReqStatus.RUNNING
             still_running.append(req)
             # Every stream_interval tokens; the first token at once (TTFT), the finish above.
             unsent = len(req.output_ids) - req.sent_offset
             if req.stream and (req.sent_offset == 0 or unsent >= self.stream_interval):
                 self._emit.append(make_output(req))
         self.stats.generated_tokens += len(next_ids)
-        self.running = still_running
+        self.running.reqs = still_running
 
-    def finish(self, req: Req, reason: FinishInfo, cache: bool = True) -> None:
+    def finish(self, req: Req, reason: Finish, cache: bool = True) -> None:
         req.finished_reason = reason
+        req.status = ReqStatus.FINISHED
         req.grammar = None
         self.kv.release(req, cache=cache)
         self.stats.finished += 1
         self.recent.append((time.monotonic(), req))
         self._emit.append(make_output(req, full=not req.stream))
 
+    def take_outputs(self) -> list[TokenDelta]:
+        """What this step emits (and empties the list)."""
+        out, self._emit = self._emit, []
+        return out
+
     # -- intake, aborts, resync ------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
+        """A request the inbox accepted (its prompt fits: the inbox refuses those that do not)."""
         if req.params.seed is not None:
             req.generator = make_generator(req.params.seed, self.device)
         prompt_logprobs.seed(req)
-        limit = min(self.finisher.max_seq_len, self.kv.size)
-        if not req.origin_input_ids or len(req.origin_input_ids) >= limit:
-            self._refuse(req, FinishInfo("abort", message=f"prompt has {len(req.origin_input_ids)} tokens; it must "
-                                                          f"have 1 to {limit - 1}", status_code=3))  # INVALID_ARGUMENT
-        elif self.grammar.is_constrained(req):
+        if self.grammar.is_constrained(req):
+            req.status = ReqStatus.GRAMMAR
             refused = self.grammar.submit(req)  # joins waiting once its grammar compiled
             if refused is not None:
-                self._refuse(req, refused)
+                req.finished_reason = refused
+                req.status = ReqStatus.FINISHED
+                self.recent.append((time.monotonic(), req))
+                self._emit.append(make_output(req, full=True))
         else:
-            self.waiting.append(req)
+            self._wait(req)
 
-    def _refuse(self, req: Req, reason: FinishInfo) -> None:
-        req.finished_reason = reason
-        self.recent.append((time.monotonic(), req))
-        self._emit.append(make_output(req, full=True))
+    def _wait(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
 
-    def abort(self, pred) -> list[Req]:
+    def abort(self, pred: Callable[[Req], bool]) -> list[Req]:
         """Remove every request for which pred(req) is true; free its KV now. No output is emitted."""
         gone = self.grammar.abort(pred)
         gone += [r for r in self.waiting if pred(r)]
@@ -274,9 +300,10 @@ class Scheduler:
                 self.kv.release(r, cache=False)
             else:
                 keep.append(r)
-        self.running = keep
+        self.running.reqs = keep
         for r in gone:
-            r.finished_reason = FinishInfo("abort", message="aborted")
+            r.finished_reason = Finish.abort(grpc.StatusCode.OK, "aborted")
+            r.status = ReqStatus.FINISHED
             r.grammar = None
         return gone
 
@@ -297,3 +324,28 @@ class Scheduler:
     def num_queued(self) -> int:
         """Requests not yet running: waiting plus compiling their grammar."""
         return len(self.waiting) + len(self.grammar)
+
+
+def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, finisher: FinishChecker,
+                vocab_size: int, device: torch.device,
+                argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
+    """The requests' state (params, generators, outputs so far, grammars, the min_new_tokens stop ids)
+    turned into one SamplingBatchInfo, the sampler run, and each request's logprobs recorded.
+    logits: [len(reqs), V] on device, one row per request; argmax: the C kernel's, when the model runs
+    on them. Returns each request's next token id."""
+    if not reqs:
+        return []
+    grammar.mask(logits, reqs)
+    info = SamplingBatchInfo.build(
+        [r.params for r in reqs], [r.generator for r in reqs], [r.output_ids for r in reqs],
+        [r.origin_input_ids for r in reqs],
+        # A grammar decides for itself when EOS may come; masking it too could leave no token.
+        [set(finisher.stop_ids_for_min_tokens(r))
+         if r.params.min_new_tokens > len(r.output_ids) and r.grammar is None else set() for r in reqs],
+        vocab_size, device)
+    out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs], argmax)
+    for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs, strict=True):
+        if r.return_logprob and r.params.max_tokens:  # 0: the token is not kept (process_results)
+            r.output_logprobs.append(lp)
+            r.output_top_logprobs.append(top)
+    return out.next_token_ids

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import grpc
 import torch
 
 from services.scheduler.grammar import (GrammarMasker, GrammarQueue, GrammarQueueFull, constraint_of,
                                         field_of)
-from services.scheduler.core.req import FinishInfo, Req
+from ringserve.message import Finish
+from services.scheduler.core.req import Req
 
-# google.rpc.Code values for FinishInfo.status_code.
-RESOURCE_EXHAUSTED = 8
-UNIMPLEMENTED = 12
-INTERNAL = 13
 
 
 class GrammarGlue:
@@ -38,35 +36,35 @@ class GrammarGlue:
 
     # -- intake and readiness ----------------------------------------------------------------------
 
-    def submit(self, req: Req) -> FinishInfo | None:
+    def submit(self, req: Req) -> Finish | None:
         """Park a constrained request until its grammar is ready; the abort reason if refused."""
         constraint = constraint_of(req.params)
         assert constraint is not None
         kind, text = constraint
         if self.queue is None:
-            return FinishInfo("abort", message=f"{field_of(kind)}: constrained decoding is disabled",
-                              status_code=UNIMPLEMENTED)
+            return Finish.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"{field_of(kind)}: constrained decoding is disabled")
         try:
             self.queue.submit(req.rid, kind, text)
         except GrammarQueueFull as e:
             if self.queue.metrics is not None:
                 self.queue.metrics.count_error("full")
-            return FinishInfo("abort", message=str(e), status_code=RESOURCE_EXHAUSTED)
+            return Finish.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.reqs[req.rid] = req
         return None
 
-    def poll(self) -> list[tuple[Req, FinishInfo | None]]:
+    def poll(self) -> list[tuple[Req, Finish | None]]:
         """Requests whose grammar resolved, in submit order: (req, None) now carries its matcher and
         may be scheduled; (req, reason) must be finished with that abort (it holds no KV)."""
         if self.queue is None or not self.reqs:
             return []
-        out: list[tuple[Req, FinishInfo | None]] = []
+        out: list[tuple[Req, Finish | None]] = []
         for ready in self.queue.poll():
             req = self.reqs.pop(ready.rid, None)
             if req is None:  # aborted meanwhile (cancel already forgot it); be total anyway
                 continue
             if ready.error is not None:
-                out.append((req, FinishInfo("abort", message=ready.error, status_code=ready.status_code)))
+                out.append((req, Finish.abort(ready.status, ready.error or "")))
             else:
                 req.grammar = ready.matcher
                 out.append((req, None))
@@ -100,14 +98,14 @@ class GrammarGlue:
             self.masker.apply(logits, [r.grammar for r in reqs])
 
     @staticmethod
-    def accept(req: Req, token: int) -> FinishInfo | None:
+    def accept(req: Req, token: int) -> Finish | None:
         """Advance req's matcher by its newest token; the finish it implies, if any."""
         m = req.grammar
         if m is None:
             return None
         if not m.accept_token(token):  # the mask let through a token the grammar refuses: a bug
-            return FinishInfo("abort", message=f"internal error: token {token} violates the request's grammar",
-                              status_code=INTERNAL)
+            return Finish.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error: token {token} violates the request's grammar")
         if m.is_terminated():  # complete output and an EOS accepted (even with ignore_eos)
-            return FinishInfo("stop", matched_token=token)
+            return Finish("stop", matched_token=token)
         return None

@@ -18,16 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import grpc
+
 from services.scheduler.grammar.backend import (CompiledGrammar, GrammarBackend, GrammarError, GrammarKind,
                                                 GrammarMatcher, field_of)
 from services.scheduler.grammar.grammar_cache import CacheEntry, GrammarCache, GrammarKey
 from services.scheduler.grammar.metrics import GrammarMetrics
 
-# google.rpc.Code values for the abort FinishInfo.status_code.
-INVALID_ARGUMENT = 3
-DEADLINE_EXCEEDED = 4
-RESOURCE_EXHAUSTED = 8
-INTERNAL = 13
 
 
 class GrammarQueueFull(Exception):
@@ -37,8 +34,8 @@ class GrammarQueueFull(Exception):
 class GrammarReady(NamedTuple):
     rid: str
     matcher: GrammarMatcher | None  # None when error is set
-    error: str | None = None        # "sampling_params.<kind>: why", ready for FinishInfo.message
-    status_code: int = 0            # google.rpc.Code for the abort; 0 when matcher is set
+    error: str | None = None        # "sampling_params.<kind>: why", ready for the abort's message
+    status: grpc.StatusCode = grpc.StatusCode.OK  # how the request's call ends when error is set
 
 
 class _Compiled(NamedTuple):
@@ -107,7 +104,7 @@ class GrammarQueue:
                 out.append(self._resolve(rid, p.entry))
             elif now >= p.deadline:
                 out.append(GrammarReady(rid, None, f"{field_of(p.key[0])}: grammar compilation took longer "
-                                                   f"than {self.timeout_s:g}s", DEADLINE_EXCEEDED))
+                                                   f"than {self.timeout_s:g}s", grpc.StatusCode.DEADLINE_EXCEEDED))
                 self._count("timeout")
             else:
                 continue
@@ -183,7 +180,8 @@ class GrammarQueue:
         if isinstance(entry, CompiledGrammar):
             return GrammarReady(rid, entry.matcher())
         self._count("internal" if entry.internal else "invalid")
-        return GrammarReady(rid, None, str(entry), INTERNAL if entry.internal else INVALID_ARGUMENT)
+        return GrammarReady(rid, None, str(entry), grpc.StatusCode.INTERNAL if entry.internal
+                            else grpc.StatusCode.INVALID_ARGUMENT)
 
     def _count(self, reason: str) -> None:
         if self.metrics is not None:

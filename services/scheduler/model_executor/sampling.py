@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ringserve.sampling_params import SamplingParams  # noqa: F401 - re-exported for the engine
+from ringserve.message import SamplingParams
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import REGISTRY, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily
 
-from services.scheduler.core.engine import Load
+from ringserve.message import Load
+from services.scheduler.core.scheduler import SchedulerStats
 
 _LABELS = ["model_name"]
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -20,9 +21,10 @@ QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 class SchedulerMetrics:
     """Create once per process (prometheus_client's default registry rejects duplicates)."""
 
-    def __init__(self, model_name: str, page_size: int, num_pages: int, load: Callable[[], Load]) -> None:
-        def gauge(name: str, doc: str, attr: str) -> None:
-            Gauge(name, doc, _LABELS).labels(model_name).set_function(lambda: getattr(load(), attr))
+    def __init__(self, model_name: str, page_size: int, num_pages: int, load: Callable[[], Load],
+                 stats: Callable[[], SchedulerStats]) -> None:
+        def gauge(name: str, doc: str, attr: str, of: Callable[[], object] = load) -> None:
+            Gauge(name, doc, _LABELS).labels(model_name).set_function(lambda: getattr(of(), attr))
 
         gauge("sglang:num_running_reqs", "Requests in the running batch", "num_running_reqs")
         gauge("sglang:num_queue_reqs", "Requests in the waiting queue", "num_queue_reqs")
@@ -30,27 +32,27 @@ class SchedulerMetrics:
         gauge("sglang:token_usage", "Share of the KV pool in use", "token_usage")
         gauge("sglang:cache_hit_rate", "Share of prompt tokens served from the prefix cache", "cache_hit_rate")
         gauge("sglang:gen_throughput", "Output tokens per second", "gen_throughput")
-        gauge("sglang:num_retracted_reqs", "Requests retracted since start", "num_retracted_reqs")
+        gauge("sglang:num_retracted_reqs", "Requests retracted since start", "retractions", stats)
         Gauge("sglang:max_total_num_tokens", "KV pool size in tokens", _LABELS).labels(model_name).set(
             num_pages * page_size)
         self.queue_time = Histogram("sglang:queue_time_seconds", "Time in the waiting queue before prefill",
                                     _LABELS, buckets=QUEUE_TIME_BUCKETS).labels(model_name)
         Info("sglang:cache_config", "KV cache configuration").info(
             {"model_name": model_name, "page_size": str(page_size), "num_pages": str(num_pages)})
-        REGISTRY.register(StepProfile(model_name, load))
+        REGISTRY.register(StepProfile(model_name, stats))
 
 
 class StepProfile:
-    """Counters of the forward steps, read from the engine's snapshot at scrape time: how many
+    """Counters of the forward steps, read from the engine's stats snapshot at scrape time: how many
     prefill and decode steps ran, the seconds they took (forward, sampling and results) and the
     requests decoded per step. Rates of these give ms per step and batch size."""
 
-    def __init__(self, model_name: str, load: Callable[[], Load]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats]) -> None:
         self.model_name = model_name
-        self.load = load
+        self.stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        ld = self.load()
+        ld = self.stats()
         steps = CounterMetricFamily("ringserve:forward_steps", "Forward steps by mode", labels=["model_name", "mode"])
         secs = CounterMetricFamily("ringserve:forward_seconds", "Seconds in forward steps (forward, sampling, "
                                    "results) by mode", labels=["model_name", "mode"])

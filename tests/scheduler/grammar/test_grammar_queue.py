@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 
 from services.scheduler.grammar import (GrammarCache, GrammarError, GrammarQueue, GrammarQueueFull,
                                         GrammarReady)
 from services.scheduler.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
-from services.scheduler.grammar.grammar_queue import DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT
 
 
 class _Matcher(GrammarMatcher):
@@ -120,8 +120,8 @@ def test_error_aborts_only_that_request(fake: FakeBackend) -> None:
     got = {g.rid: g for g in wait_poll(q, 3)}
     assert got["good"].matcher is not None and got["good"].error is None
     assert got["bad"].matcher is None and got["bad"].error == "sampling_params.regex: bad pattern"
-    assert got["bad"].status_code == INVALID_ARGUMENT
-    assert got["bug"].status_code == INTERNAL and got["bug"].error.startswith("sampling_params.ebnf: internal error")
+    assert got["bad"].status == grpc.StatusCode.INVALID_ARGUMENT
+    assert got["bug"].status == grpc.StatusCode.INTERNAL and got["bug"].error.startswith("sampling_params.ebnf: internal error")
     # The invalid one is cached (no recompile); the backend bug is not.
     q.submit("bad2", "regex", "bad")
     assert q.poll()[0].error == "sampling_params.regex: bad pattern"
@@ -143,7 +143,7 @@ def test_timeout_aborts_only_that_request_and_result_is_kept(fake: FakeBackend) 
     clock.t = 5.0
     assert q.has_ready()
     (slow,) = q.poll()
-    assert slow.rid == "slow" and slow.matcher is None and slow.status_code == DEADLINE_EXCEEDED
+    assert slow.rid == "slow" and slow.matcher is None and slow.status == grpc.StatusCode.DEADLINE_EXCEEDED
     assert slow.error == "sampling_params.json_schema: grammar compilation took longer than 5s"
     assert len(q) == 0 and q.next_deadline_s() is None
     # The abandoned compile still finishes into the cache: a retry hits at once.
@@ -189,7 +189,7 @@ def test_real_backend_roundtrip(backend) -> None:
     q.submit("bad", "regex", "(a")
     got = {g.rid: g for g in wait_poll(q, 2, timeout=30)}
     assert got["ok"].matcher is not None
-    assert got["bad"].error.startswith("sampling_params.regex: ") and got["bad"].status_code == INVALID_ARGUMENT
+    assert got["bad"].error.startswith("sampling_params.regex: ") and got["bad"].status == grpc.StatusCode.INVALID_ARGUMENT
     q.close()
 
 
