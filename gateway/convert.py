@@ -12,10 +12,13 @@ import math
 from typing import Any
 
 import grpc
+from pydantic import BaseModel
 
-from gateway.errors import GatewayError, from_status, status_from_int
+from gateway.errors import GatewayError, from_status
 from gateway.native_protocol import NativeSamplingParams
 from gateway.protocol import ChatCompletionRequest, ChatMessage, Prompt, SamplingExtras
+from ringserve.errors import status_of
+from ringserve.message.sampling import CONSTRAINTS
 from ringserve.v1 import api_pb2 as pb
 from ringserve.v1 import common_pb2
 
@@ -30,26 +33,28 @@ CHAT_PARAMS = {**OPENAI_PARAMS, "top_logprobs_num": "top_logprobs",
                "sampling_params.max_new_tokens": "max_completion_tokens"}
 
 
-def _stops(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
+_SAMPLING_PB_FIELDS = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+
+
+def sampling_pb(req: BaseModel, **renamed: Any) -> common_pb2.SamplingParams:
+    """Every field of `req` that common.SamplingParams has, copied by name, plus `renamed` (values the
+    request names otherwise, under their proto names). None stays unset: proto3 `optional` fields
+    then mean "the tokenizer's default"."""
+    values = {name: getattr(req, name) for name in type(req).model_fields if name in _SAMPLING_PB_FIELDS}
+    values.update(renamed)
+    sp = common_pb2.SamplingParams()
+    for name, value in values.items():
+        if value is None:
+            continue
+        if _SAMPLING_PB_FIELDS[name].is_repeated:
+            getattr(sp, name).extend([value] if isinstance(value, str) else value)  # stop: one string or a list
+        else:
+            setattr(sp, name, value)
+    return sp
 
 
 def sampling_from_openai(req: SamplingExtras, max_tokens: int | None) -> common_pb2.SamplingParams:
-    sp = common_pb2.SamplingParams(
-        stop=_stops(req.stop), stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-        min_new_tokens=req.min_tokens, no_stop_trim=req.no_stop_trim, n=req.n,
-        frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-        min_p=req.min_p or 0.0)
-    # proto3 `optional` fields: unset means "the tokenizer's default", so copy only what was sent.
-    for name, value in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k),
-                        ("repetition_penalty", req.repetition_penalty), ("max_new_tokens", max_tokens),
-                        ("seed", req.seed), ("skip_special_tokens", req.skip_special_tokens),
-                        ("spaces_between_special_tokens", req.spaces_between_special_tokens),
-                        ("regex", req.regex), ("ebnf", req.ebnf), ("json_schema", req.json_schema)):
-        if value is not None:
-            setattr(sp, name, value)
+    sp = sampling_pb(req, max_new_tokens=max_tokens, min_new_tokens=req.min_tokens)
     schema = response_format_schema(req)
     if schema is not None:
         sp.json_schema = schema
@@ -67,7 +72,7 @@ def response_format_schema(req: SamplingExtras) -> str | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    other = [n for n in ("json_schema", "regex", "ebnf") if getattr(req, n) is not None]
+    other = [n for n in CONSTRAINTS if getattr(req, n) is not None]
     if other:
         raise GatewayError(400, f"response_format: cannot be combined with {other[0]}", param="response_format")
     if fmt.type == "json_object":
@@ -87,21 +92,7 @@ def openai_param_map(base: dict[str, str], req: SamplingExtras) -> dict[str, str
 
 def sampling_from_native(sp_in: NativeSamplingParams | None) -> common_pb2.SamplingParams:
     sp_in = sp_in or NativeSamplingParams()
-    sp = common_pb2.SamplingParams(
-        stop=_stops(sp_in.stop), stop_token_ids=sp_in.stop_token_ids or [], ignore_eos=sp_in.ignore_eos,
-        min_new_tokens=sp_in.min_new_tokens or 0, no_stop_trim=sp_in.no_stop_trim,
-        frequency_penalty=sp_in.frequency_penalty or 0.0, presence_penalty=sp_in.presence_penalty or 0.0,
-        min_p=sp_in.min_p or 0.0)
-    seed = sp_in.seed if sp_in.seed is not None else sp_in.sampling_seed
-    for name, value in (("temperature", sp_in.temperature), ("top_p", sp_in.top_p), ("top_k", sp_in.top_k),
-                        ("repetition_penalty", sp_in.repetition_penalty),
-                        ("max_new_tokens", sp_in.max_new_tokens), ("seed", seed), ("n", sp_in.n),
-                        ("skip_special_tokens", sp_in.skip_special_tokens),
-                        ("spaces_between_special_tokens", sp_in.spaces_between_special_tokens),
-                        ("regex", sp_in.regex), ("ebnf", sp_in.ebnf), ("json_schema", sp_in.json_schema)):
-        if value is not None:
-            setattr(sp, name, value)
-    return sp
+    return sampling_pb(sp_in, seed=sp_in.seed if sp_in.seed is not None else sp_in.sampling_seed)
 
 
 def split_prompt(prompt: Prompt) -> list[str | list[int]]:
@@ -146,7 +137,7 @@ def chat_input(req: ChatCompletionRequest) -> pb.ChatInput:
 
 def finish_error(fr: common_pb2.FinishReason, param_map: dict[str, str] | None = None) -> GatewayError:
     """An "abort" finish as an error; a clean abort (code 0) was asked for, hence CANCELLED."""
-    code = status_from_int(fr.status_code) if fr.status_code else grpc.StatusCode.CANCELLED
+    code = status_of(fr.status_code) if fr.status_code else grpc.StatusCode.CANCELLED
     return from_status(code, fr.message or "request aborted", param_map)
 
 

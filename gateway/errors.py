@@ -76,10 +76,6 @@ def from_rpc(err: grpc.aio.AioRpcError, param_map: dict[str, str] | None = None)
     return from_status(err.code(), err.details() or err.code().name, param_map)
 
 
-def status_from_int(value: int) -> grpc.StatusCode:
-    return next((s for s in grpc.StatusCode if s.value[0] == value), grpc.StatusCode.UNKNOWN)
-
-
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p not in ("body",)]
     return ".".join(parts) or None

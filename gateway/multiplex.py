@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.errors import from_status, status_from_int
+from gateway.errors import from_status
 from gateway.streams import append_output
+from ringserve.errors import status_of
 from ringserve.v1 import api_pb2 as pb
 from ringserve.v1 import api_pb2_grpc
 
@@ -83,7 +84,7 @@ class GenerateMux:
                 for st in batch.statuses:
                     box = self.inboxes.pop(st.rid, None)
                     if box is not None:
-                        box.end(status_from_int(st.code), st.message)
+                        box.end(status_of(st.code), st.message)
         except grpc.aio.AioRpcError as e:
             code, message = e.code(), e.details() or e.code().name
         except asyncio.CancelledError:

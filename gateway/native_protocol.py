@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from gateway.protocol import Int32, Int64, UInt32
+from gateway.protocol import Int32, Int64, SamplingFields, UInt32
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(SamplingFields):
     """SGLang's `sampling_params` dict; unknown keys are ignored as SGLang's clients send many."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = None
-    top_k: Int32 | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    # OpenAI's requests call these max_tokens / min_tokens, so they are not in SamplingFields.
     max_new_tokens: UInt32 | None = None
     min_new_tokens: UInt32 | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Int32] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool = False
-    n: int | None = Field(None, ge=1, le=2**32 - 1)
-    seed: Int64 | None = None
     sampling_seed: Int64 | None = None  # SGLang's name for the per-request seed
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
 
 
 class GenerateReqInput(BaseModel):

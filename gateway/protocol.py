@@ -46,34 +46,51 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingExtras(_Request):
-    """Fields shared by completions and chat: OpenAI's sampling knobs plus SGLang/vLLM extras."""
+class SamplingFields(_Request):
+    """SGLang's sampling parameters under their protobuf names, shared by the OpenAI and the native
+    requests.
 
-    model: str | None = Field(None, description="Served model name; must match /v1/models when set.")
-    n: int = Field(1, ge=1, le=128)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    convert.sampling_pb copies each field of a request that common.SamplingParams has, by name, so a
+    new sampling field is declared here once (besides the proto). max_new_tokens / min_new_tokens are
+    not here: OpenAI calls them max_tokens / min_tokens, so each request model declares its own.
+    Ranges are the tokenizer's to check (its error names the field); a request model tightens one
+    only where its API documents it."""
+
     temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: Int64 | None = None
-    user: str | None = None
-    response_format: ResponseFormat | None = None
-    # Extras (SGLang / vLLM names).
-    ignore_eos: bool = False
+    top_p: float | None = None
     top_k: Int32 | None = None
     min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: UInt32 = 0
+    stop: str | list[str] | None = None
     stop_token_ids: list[Int32] | None = None
+    ignore_eos: bool = False
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool = False
+    n: int | None = Field(None, ge=1, le=2**32 - 1)
+    seed: Int64 | None = None
+    json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
-    json_schema: str | None = None
+
+
+class SamplingExtras(SamplingFields):
+    """Fields shared by completions and chat: OpenAI's sampling knobs plus SGLang/vLLM extras
+    (the SGLang names come from SamplingFields)."""
+
+    model: str | None = Field(None, description="Served model name; must match /v1/models when set.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # OpenAI's defaults and documented ranges, checked here as OpenAI does.
+    n: int = Field(1, ge=1, le=128)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    min_tokens: UInt32 = 0  # vLLM's name for min_new_tokens
     rid: str | None = Field(None, description="Request id (SGLang extra); generated when absent.")
 
 
@@ -177,41 +194,6 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    matched_stop: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One `data:` event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChunk(BaseModel):
-    """One `data:` event of a streamed completion."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 

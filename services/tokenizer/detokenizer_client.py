@@ -17,38 +17,19 @@ from collections.abc import Callable
 
 import grpc
 
-from ringserve.reconnect import handshake, reconnect_forever
-from ringserve.finish import finish_from_pb
 from ringserve.grpc_server import client_channel
-from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
-
-from .io_struct import Logprob, TextDeltaIn
+from ringserve.message import TextDelta
+from ringserve.reconnect import handshake, reconnect_forever
+from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 2.0
-TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
-
-
-def logprob_from_pb(pb: common_pb2.TokenLogprob) -> Logprob:
-    return Logprob(token_id=pb.token_id, logprob=pb.logprob,
-                   top=tuple((t.token_id, t.logprob) for t in pb.top_logprobs))
-
-
-def delta_from_pb(pb: detokenizer_pb2.TextDelta) -> TextDeltaIn:
-    timings = None
-    if pb.HasField("timings"):
-        timings = {name: getattr(pb.timings, name) for name in TIMING_FIELDS if getattr(pb.timings, name)}
-    return TextDeltaIn(rid=pb.rid, token_offset=pb.token_offset, ids=list(pb.ids), text_offset=pb.text_offset,
-                       text=pb.text, logprobs=[logprob_from_pb(lp) for lp in pb.logprobs],
-                       finish=finish_from_pb(pb.finish) if pb.HasField("finish") else None,
-                       prompt_tokens=pb.prompt_tokens, cached_tokens=pb.cached_tokens, timings=timings,
-                       input_logprobs=[logprob_from_pb(lp) for lp in pb.input_logprobs])
 
 
 class DetokenizerSubscriber:
-    def __init__(self, addresses: list[str], owner: str, on_deltas: Callable[[list[TextDeltaIn], float], None],
+    def __init__(self, addresses: list[str], owner: str, on_deltas: Callable[[list[TextDelta], float], None],
                  on_change: Callable[[], None], on_grace_expired: Callable[[], None], grace_s: float) -> None:
         self.owner = owner
         self.on_deltas = on_deltas
@@ -117,6 +98,6 @@ class DetokenizerSubscriber:
                 if resp.deltas:
                     # The step's scheduler -> detokenizer -> here hops (wall clocks, as sent_at is).
                     hops = max(0.0, time.time() - resp.step_sent_at) if resp.step_sent_at else 0.0
-                    self.on_deltas([delta_from_pb(d) for d in resp.deltas], hops)
+                    self.on_deltas([TextDelta.from_pb(d) for d in resp.deltas], hops)
         finally:
             call.cancel()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 from ringserve.errors import AlreadyExists, InvalidArgument, ServiceError, Unavailable
@@ -74,7 +74,7 @@ class GenerateSession:
         self._watcher: asyncio.Task[None] | None = None
 
     async def serve(self, requests: AsyncIterator[pb.GenerateStreamRequest]
-                    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+                    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """The whole call: read the client's instructions alongside, yield the batches, and stop
         every generation when the call ends (finished, cancelled or broken)."""
         feed = asyncio.ensure_future(self.feed(requests))

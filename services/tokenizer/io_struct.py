@@ -1,15 +1,16 @@
-"""Plain dataclasses the tokenizer core works with; the servicer and the clients convert protobuf at the edge.
+"""The tokenizer's own public-API types, each owning its protobuf conversion (as TGI's `from_pb`/`to_pb`).
 
-Named after SGLang's io_struct: what comes in (GenerateInput), what goes to a scheduler
-(TokenizedReq), what comes back from the detokenizer (TextDeltaIn) and what goes out (GenerateOutput).
+Named after SGLang's io_struct: what comes in (GenerateInput, ChatInput) and what goes out
+(GenerateOutput). What travels inside the ring (sampling parameters, TokenizedReq, TextDelta, Finish,
+Logprob, Timings, Load) is ringserve.message's, not redeclared here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ringserve.finish import Finish  # noqa: F401 - part of this module's vocabulary
-from ringserve.sampling_params import SamplingParams as Sampling  # noqa: F401 - validated, defaults resolved
+from ringserve.message import Finish, Logprob, SamplingParams, Timings
+from ringserve.v1 import api_pb2
 
 
 @dataclass(frozen=True)
@@ -18,42 +19,25 @@ class ChatInput:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-
-@dataclass(frozen=True)
-class SamplingInput:
-    """Sampling parameters as the client sent them; None means "unset, take the default"."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float | None = None
-    max_new_tokens: int | None = None
-    min_new_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    seed: int | None = None
-    n: int | None = None
-    no_stop_trim: bool = False
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
+    @classmethod
+    def from_pb(cls, pb: api_pb2.ChatInput) -> ChatInput:
+        return cls(messages=[{"role": m.role, "content": m.content} for m in pb.messages],
+                   add_generation_prompt=pb.add_generation_prompt if pb.HasField("add_generation_prompt") else True,
+                   continue_final_message=pb.continue_final_message)
 
 
 @dataclass(frozen=True)
 class GenerateInput:
-    """One Generate call. Exactly one of text / input_ids / chat should be set (validation checks)."""
+    """One Generate call. Exactly one of text / input_ids / chat should be set (validation checks).
+
+    `sampling` is the client's: unset fields hold the defaults, except max_new_tokens (None until
+    validation resolves it against the prompt and the context length)."""
 
     rid: str = ""
     text: str | None = None
     input_ids: list[int] | None = None
     chat: ChatInput | None = None
-    sampling: SamplingInput = field(default_factory=SamplingInput)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -61,45 +45,17 @@ class GenerateInput:
     model: str = ""
     logprob_start_len: int = -1  # with return_logprob: score the prompt from here (-1: no)
 
-
-@dataclass(frozen=True)
-class TokenizedReq:
-    """One internal request (one sample) as sent to a scheduler."""
-
-    rid: str
-    owner: str
-    input_ids: list[int]
-    sampling: Sampling
-    stream: bool
-    return_logprob: bool
-    top_logprobs_num: int
-    logprob_start_len: int = -1
-
-
-@dataclass(frozen=True)
-class Logprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    token: str = ""
-    top_tokens: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TextDeltaIn:
-    """A TextDelta from the detokenizer."""
-
-    rid: str
-    token_offset: int
-    ids: list[int]
-    text_offset: int
-    text: str
-    logprobs: list[Logprob] = field(default_factory=list)
-    finish: Finish | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    timings: dict[str, float] | None = None
-    input_logprobs: list[Logprob] = field(default_factory=list)
+    @classmethod
+    def from_pb(cls, pb: api_pb2.GenerateRequest) -> GenerateInput:
+        which = pb.WhichOneof("input")
+        return cls(
+            rid=pb.rid, text=pb.text if which == "text" else None,
+            input_ids=list(pb.input_ids.ids) if which == "input_ids" else None,
+            chat=ChatInput.from_pb(pb.chat) if which == "chat" else None,
+            sampling=SamplingParams.from_pb(pb.sampling_params), stream=pb.stream,
+            return_logprob=pb.return_logprob, top_logprobs_num=pb.top_logprobs_num,
+            return_timings=pb.return_timings, model=pb.model,
+            logprob_start_len=pb.logprob_start_len if pb.HasField("logprob_start_len") else -1)
 
 
 @dataclass
@@ -118,19 +74,17 @@ class GenerateOutput:
     input_logprobs: list[Logprob] = field(default_factory=list)  # the prompt's, on the first output
     finish: Finish | None = None
     e2e_latency: float = 0.0
-    timings: dict[str, float] | None = None
+    timings: Timings | None = None  # with return_timings, on the last output
 
-
-@dataclass(frozen=True)
-class LoadInfo:
-    """A scheduler's last LoadReport, as the tokenizer knows it."""
-
-    num_running_reqs: int = 0
-    num_queue_reqs: int = 0
-    num_used_tokens: int = 0
-    max_total_num_tokens: int = 0
-    token_usage: float = 0.0
-
-    @property
-    def num_reqs(self) -> int:
-        return self.num_running_reqs + self.num_queue_reqs
+    def to_pb(self) -> api_pb2.GenerateResponse:
+        meta = api_pb2.MetaInfo(id=self.rid, prompt_tokens=self.prompt_tokens,
+                                completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens)
+        if self.finished:
+            if self.finish is not None:
+                meta.finish_reason.CopyFrom(self.finish.to_pb())
+            meta.e2e_latency = self.e2e_latency
+            if self.timings is not None:
+                meta.timings.CopyFrom(self.timings.to_pb())
+        return api_pb2.GenerateResponse(rid=self.rid, index=self.index, text=self.text, output_ids=self.output_ids,
+                                        logprobs=Logprob.list_to_pb(self.logprobs), finished=self.finished,
+                                        meta_info=meta, input_logprobs=Logprob.list_to_pb(self.input_logprobs))

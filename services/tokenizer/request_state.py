@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ringserve.errors import ServiceError
-
-from .io_struct import Finish, Logprob, TextDeltaIn, TokenizedReq
+from ringserve.message import Finish, Logprob, TextDelta, Timings, TokenizedReq
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class ReqState:
     error: ServiceError | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    timings: dict[str, float] | None = None
+    timings: Timings | None = None  # the scheduler's and detokenizer's, with the finish
     ring_hops_s: float = 0.0  # scheduler -> detokenizer -> tokenizer, summed over its messages
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -69,7 +68,7 @@ class ReqState:
     def rid(self) -> str:
         return self.req.rid
 
-    def apply(self, delta: TextDeltaIn, now: float | None = None) -> int:
+    def apply(self, delta: TextDelta, now: float | None = None) -> int:
         """Merge a delta, dropping what was already received. Returns the number of new ids."""
         if self.finished:
             return 0
@@ -121,7 +120,7 @@ class ReqState:
         self.event.set()
 
     def abort(self, message: str) -> None:
-        """End the request cleanly with finish_reason abort (status 0)."""
+        """End the request cleanly with finish_reason abort (status OK)."""
         if self.finished:
             return
         self.finished = True

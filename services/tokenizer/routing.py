@@ -13,22 +13,32 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ringserve.errors import Unavailable
+from ringserve.message import Load
+from ringserve.message.codec import fields_to_pb
+from ringserve.v1 import api_pb2
 
-from .io_struct import LoadInfo
 from .prefix_tree import PrefixTree
 
 
 @dataclass(frozen=True)
 class SchedulerView:
+    """This tokenizer's view of one scheduler connection; the load is the scheduler's last report."""
+
     address: str
     connected: bool
-    load: LoadInfo
+    load: Load
     in_flight: int = 0  # this tokenizer's live requests routed there (fresher than the last report)
 
     @property
     def score(self) -> tuple[int, float]:
         """Lower is less loaded: queued work first, KV usage to break ties."""
         return (max(self.load.num_reqs, self.in_flight), self.load.token_usage)
+
+    def to_pb(self) -> api_pb2.SchedulerLoad:
+        """The public SchedulerLoad (server info): the connection and every Load field it has."""
+        pb: api_pb2.SchedulerLoad = fields_to_pb(self.load, api_pb2.SchedulerLoad)
+        pb.address, pb.connected = self.address, self.connected
+        return pb
 
 
 class Router(Protocol):

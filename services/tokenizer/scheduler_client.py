@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 import grpc
 
-from ringserve.reconnect import reconnect_forever
-from ringserve.errors import Unavailable
+from ringserve.errors import Unavailable, status_of
 from ringserve.grpc_server import client_channel
+from ringserve.message import Load, TokenizedReq
+from ringserve.reconnect import reconnect_forever
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .discovery import parse_dns_target
-from .io_struct import LoadInfo, TokenizedReq
 from .routing import SchedulerView
 
 log = logging.getLogger(__name__)
@@ -34,21 +34,8 @@ MAX_QUEUED_REQUESTS = 4096
 MAX_BATCH = 256
 
 
-def request_to_pb(req: TokenizedReq, sent_at: float) -> scheduler_pb2.TokenizedRequest:
-    return scheduler_pb2.TokenizedRequest(
-        rid=req.rid, owner=req.owner, input_ids=req.input_ids, sampling_params=req.sampling.to_pb(),
-        stream=req.stream, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-        sent_at=sent_at, logprob_start_len=req.logprob_start_len if req.logprob_start_len >= 0 else None)
-
-
-def load_from_pb(pb: scheduler_pb2.LoadReport) -> LoadInfo:
-    return LoadInfo(num_running_reqs=pb.num_running_reqs, num_queue_reqs=pb.num_queue_reqs,
-                    num_used_tokens=pb.num_used_tokens, max_total_num_tokens=pb.max_total_num_tokens,
-                    token_usage=pb.token_usage)
-
-
 class SchedulerConnection:
-    def __init__(self, address: str, owner: str, on_rejection: Callable[[str, int, str], None],
+    def __init__(self, address: str, owner: str, on_rejection: Callable[[str, grpc.StatusCode, str], None],
                  on_down: Callable[[str], None], on_change: Callable[[], None]) -> None:
         self.address = address
         self.owner = owner
@@ -56,7 +43,7 @@ class SchedulerConnection:
         self.on_down = on_down
         self.on_change = on_change
         self.connected = False
-        self.load = LoadInfo()
+        self.load = Load()
         self.channel = client_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         # Items carry the session they were queued in: a request queued just before a break was
@@ -131,9 +118,10 @@ class SchedulerConnection:
 
     def _on_response(self, resp: scheduler_pb2.ConnectResponse) -> None:
         if resp.HasField("load"):
-            self.load = load_from_pb(resp.load)
+            self.load = Load.from_pb(resp.load)
         for rej in resp.rejections:
-            self.on_rejection(rej.rid, rej.status_code, rej.message or f"rejected by scheduler {self.address}")
+            self.on_rejection(rej.rid, status_of(rej.status_code),
+                              rej.message or f"rejected by scheduler {self.address}")
 
     async def _write_loop(self, call: grpc.aio.StreamStreamCall, session: int) -> None:
         while True:
@@ -141,11 +129,11 @@ class SchedulerConnection:
                 self._wake.clear()
                 await self._wake.wait()
             now = time.time()
-            reqs = []
+            reqs: list[scheduler_pb2.TokenizedRequest] = []
             while not self._queue.empty() and len(reqs) < MAX_BATCH:
                 item_session, req = self._queue.get_nowait()
                 if item_session == session:
-                    reqs.append(request_to_pb(req, now))
+                    reqs.append(req.to_pb(now))
             aborts, self._aborts = self._aborts, []
             if reqs and aborts:
                 # Cancelled before it was even sent: send neither, whatever order the scheduler
@@ -167,7 +155,7 @@ class SchedulerConnection:
 class SchedulerPool:
     """Every scheduler this tokenizer routes to (implements tokenizer_manager.SchedulerLinks)."""
 
-    def __init__(self, addresses: list[str], owner: str, on_rejection: Callable[[str, int, str], None],
+    def __init__(self, addresses: list[str], owner: str, on_rejection: Callable[[str, grpc.StatusCode, str], None],
                  on_down: Callable[[str], None], on_change: Callable[[], None]) -> None:
         self._new = lambda a: SchedulerConnection(a, owner, on_rejection, on_down, on_change)
         self.on_change = on_change

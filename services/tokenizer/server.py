@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ringserve.errors import Unavailable
+import grpc
+
 from ringserve import tls
+from ringserve.errors import Unavailable
 from ringserve.grpc_server import GrpcService
+from ringserve.message import TextDelta
 from ringserve.metrics_http import start_metrics_server
 from ringserve.text_tokenizer import TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc
@@ -67,13 +70,13 @@ class TokenizerServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
 
     # Callbacks bound late so the manager exists before the clients fire them.
-    def _on_rejection(self, rid: str, code: int, message: str) -> None:
-        self.manager.on_rejection(rid, code, message)
+    def _on_rejection(self, rid: str, status: grpc.StatusCode, message: str) -> None:
+        self.manager.on_rejection(rid, status, message)
 
     def _on_scheduler_down(self, address: str) -> None:
         self.manager.on_scheduler_down(address)
 
-    def _on_deltas(self, deltas: list, hops_s: float) -> None:  # list[TextDeltaIn]
+    def _on_deltas(self, deltas: list[TextDelta], hops_s: float) -> None:
         self.manager.on_deltas(deltas, hops_s)
 
     def _on_detokenizer_gone(self) -> None:

@@ -13,82 +13,16 @@ from contextlib import aclosing
 
 import grpc
 
-from ringserve.finish import finish_to_pb
 from ringserve import __version__
 from ringserve.errors import InvalidArgument, ServiceError
 from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
-from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
+from ringserve.v1 import api_pb2, api_pb2_grpc
 
 from .generate_session import GenerateSession
-from .io_struct import ChatInput, GenerateInput, GenerateOutput, LoadInfo, SamplingInput
+from .io_struct import ChatInput, GenerateInput
 from .request_state import Wakeup
 from .routing import SchedulerView
 from .tokenizer_manager import Call, TokenizerManager
-
-TIMING_FIELDS = [f.name for f in common_pb2.Timings.DESCRIPTOR.fields]
-
-
-def _opt(pb: object, name: str) -> object | None:
-    return getattr(pb, name) if pb.HasField(name) else None  # type: ignore[attr-defined]
-
-
-def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingInput:
-    return SamplingInput(
-        temperature=_opt(pb, "temperature"), top_p=_opt(pb, "top_p"), top_k=_opt(pb, "top_k"),
-        min_p=pb.min_p, frequency_penalty=pb.frequency_penalty, presence_penalty=pb.presence_penalty,
-        repetition_penalty=_opt(pb, "repetition_penalty"), max_new_tokens=_opt(pb, "max_new_tokens"),
-        min_new_tokens=pb.min_new_tokens, stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids),
-        ignore_eos=pb.ignore_eos, skip_special_tokens=_opt(pb, "skip_special_tokens"),
-        spaces_between_special_tokens=_opt(pb, "spaces_between_special_tokens"), seed=_opt(pb, "seed"),
-        n=_opt(pb, "n"), no_stop_trim=pb.no_stop_trim, json_schema=_opt(pb, "json_schema"),
-        regex=_opt(pb, "regex"), ebnf=_opt(pb, "ebnf"))  # type: ignore[arg-type]
-
-
-def chat_from_pb(pb: api_pb2.ChatInput) -> ChatInput:
-    return ChatInput(messages=[{"role": m.role, "content": m.content} for m in pb.messages],
-                     add_generation_prompt=pb.add_generation_prompt if pb.HasField("add_generation_prompt") else True,
-                     continue_final_message=pb.continue_final_message)
-
-
-def generate_from_pb(pb: api_pb2.GenerateRequest) -> GenerateInput:
-    which = pb.WhichOneof("input")
-    return GenerateInput(
-        rid=pb.rid, text=pb.text if which == "text" else None,
-        input_ids=list(pb.input_ids.ids) if which == "input_ids" else None,
-        chat=chat_from_pb(pb.chat) if which == "chat" else None,
-        sampling=sampling_from_pb(pb.sampling_params), stream=pb.stream, return_logprob=pb.return_logprob,
-        top_logprobs_num=pb.top_logprobs_num, return_timings=pb.return_timings, model=pb.model,
-        logprob_start_len=pb.logprob_start_len if pb.HasField("logprob_start_len") else -1)
-
-
-def output_to_pb(out: GenerateOutput) -> api_pb2.GenerateResponse:
-    meta = api_pb2.MetaInfo(id=out.rid, prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                            cached_tokens=out.cached_tokens)
-    if out.finished:
-        if out.finish is not None:
-            meta.finish_reason.CopyFrom(finish_to_pb(out.finish))
-        meta.e2e_latency = out.e2e_latency
-        if out.timings:
-            meta.timings.CopyFrom(common_pb2.Timings(**{k: v for k, v in out.timings.items() if k in TIMING_FIELDS}))
-    return api_pb2.GenerateResponse(rid=out.rid, index=out.index, text=out.text, output_ids=out.output_ids,
-                                    logprobs=_logprobs_pb(out.logprobs), finished=out.finished, meta_info=meta,
-                                    input_logprobs=_logprobs_pb(out.input_logprobs))
-
-
-def _logprobs_pb(lps: list[Logprob]) -> list[common_pb2.TokenLogprob]:
-    return [common_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob, token=lp.token,
-        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=p, token=name)
-                      for (t, p), name in zip(lp.top, lp.top_tokens or [""] * len(lp.top))])
-        for lp in lps]
-
-
-def load_to_pb(view: SchedulerView) -> api_pb2.SchedulerLoad:
-    l: LoadInfo = view.load
-    return api_pb2.SchedulerLoad(address=view.address, connected=view.connected,
-                                 num_running_reqs=l.num_running_reqs, num_queue_reqs=l.num_queue_reqs,
-                                 num_used_tokens=l.num_used_tokens, max_total_num_tokens=l.max_total_num_tokens,
-                                 token_usage=l.token_usage)
 
 
 class StreamGenerations:
@@ -98,11 +32,11 @@ class StreamGenerations:
         self.manager = manager
 
     async def start(self, req: api_pb2.GenerateRequest, wakeup: Wakeup) -> Call:
-        return await self.manager.start(generate_from_pb(req), wakeup)
+        return await self.manager.start(GenerateInput.from_pb(req), wakeup)
 
     def collect(self, call: Call) -> tuple[list[api_pb2.GenerateResponse], bool, ServiceError | None]:
         outs, error = self.manager.collect(call)
-        return [output_to_pb(o) for o in outs], call.done, error
+        return [o.to_pb() for o in outs], call.done, error
 
     def release(self, call: Call) -> None:
         self.manager.release(call)
@@ -125,13 +59,14 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
     # inner generators now, not at GC, so the manager's finally aborts the request at once.
     async def Generate(self, request: api_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateResponse]:
-        async with aclosing(self.manager.generate(generate_from_pb(request))) as outputs:
+        async with aclosing(self.manager.generate(GenerateInput.from_pb(request))) as outputs:
             async for out in outputs:
-                yield output_to_pb(out)
+                yield out.to_pb()
 
     async def GenerateStream(self, request_iterator: AsyncIterator[api_pb2.GenerateStreamRequest],
                              context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.GenerateStreamResponse]:
-        async with aclosing(GenerateSession(StreamGenerations(self.manager), self.stopping).serve(request_iterator)) as batches:
+        session = GenerateSession(StreamGenerations(self.manager), self.stopping)
+        async with aclosing(session.serve(request_iterator)) as batches:
             async for batch in batches:
                 yield batch
 
@@ -154,7 +89,7 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
             num_queue_reqs=sum(v.load.num_queue_reqs for v in views),
             token_usage=max((v.load.token_usage for v in views), default=0.0),
             rid_to_state_size=len(self.manager.rid_to_state), tokenizer_id=self.manager.owner,
-            routing_policy=self.routing_policy, schedulers=[load_to_pb(v) for v in views],
+            routing_policy=self.routing_policy, schedulers=[v.to_pb() for v in views],
             version=__version__, detokenizer_connected=self.detokenizer_connected())
 
     async def FlushCache(self, request: api_pb2.FlushCacheRequest,
@@ -167,7 +102,7 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         which = request.WhichOneof("input")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         if which == "chat":
-            chat = chat_from_pb(request.chat)
+            chat = ChatInput.from_pb(request.chat)
             if not chat.messages:
                 raise InvalidArgument("chat.messages", "must not be empty")
             try:

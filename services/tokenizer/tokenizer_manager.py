@@ -4,8 +4,9 @@ A Generate call is validated and tokenized, expanded into n internal requests, r
 scheduler and registered in `rid_to_state`; the detokenizer's deltas fill each ReqState and wake
 the call's consumer, which collects outputs until every sample has finished. A state lives from
 intake until its consumer releases the call (finished, error, abort, cancel or deadline: the
-`finally` of `generate`, or a GenerateStream session's own bookkeeping), so rid_to_state cannot leak. Nothing here knows gRPC: schedulers are reached through
-the `SchedulerLinks` protocol and errors are ringserve.errors exceptions.
+`finally` of `generate`, or a GenerateStream session's own bookkeeping), so rid_to_state cannot
+leak. Nothing here makes gRPC calls: schedulers are reached through the `SchedulerLinks` protocol,
+errors are ringserve.errors exceptions and statuses grpc.StatusCode values.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from ringserve.errors import AlreadyExists, ResourceExhausted, ServiceError, Unavailable, error_for_code
+import grpc
 
-from .io_struct import GenerateInput, GenerateOutput, LoadInfo, Logprob, TextDeltaIn, TokenizedReq
+from ringserve.errors import AlreadyExists, ResourceExhausted, ServiceError, Unavailable, error_for_status
+from ringserve.message import Load, Logprob, TextDelta, Timings, TokenizedReq
+
+from .io_struct import GenerateInput, GenerateOutput
 from .metrics import ModelMetrics
 from .request_state import Chunk, ReqState, Wakeup
 from .routing import Router, SchedulerView
@@ -140,8 +144,9 @@ class TokenizerManager:
         for s in list(call.pending):
             if s.error is not None:
                 return outs, s.error
-            if s.finished and s.finish is not None and s.finish.type == "abort" and s.finish.status_code:
-                return outs, error_for_code(s.finish.status_code, s.finish.message or "aborted")
+            if (s.finished and s.finish is not None and s.finish.type == "abort"
+                    and s.finish.status != grpc.StatusCode.OK):
+                return outs, error_for_status(s.finish.status, s.finish.message or "aborted")
             # Read `finished` once: more deltas (the last one included) can land while the consumer
             # is suspended, and they must go out in a later chunk.
             finished = s.finished
@@ -153,7 +158,7 @@ class TokenizerManager:
                 call.pending.remove(s)
         return outs, None
 
-    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, req: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
         """One call's outputs as an async stream (a lone Generate call; GenerateStream sessions
         use start / collect / release themselves)."""
         event = asyncio.Event()
@@ -187,12 +192,11 @@ class TokenizerManager:
             log.info("rid=%s finished reason=%s completion_tokens=%d e2e=%.3fs", s.rid,
                      s.finish.type if s.finish else "?", s.num_ids, out.e2e_latency)
             if req.return_timings:
-                timings = dict(s.timings or {})
-                timings["tokenize_s"] = tokenize_s
-                timings["ring_hops_s"] = s.ring_hops_s
+                # The scheduler's and detokenizer's fields came with the finish; these are ours.
+                timings = (s.timings or Timings()).with_(tokenize_s=tokenize_s, ring_hops_s=s.ring_hops_s,
+                                                         e2e_s=out.e2e_latency)
                 if s.first_token_at is not None:
-                    timings["ttft_s"] = s.first_token_at - arrived
-                timings["e2e_s"] = out.e2e_latency
+                    timings = timings.with_(ttft_s=s.first_token_at - arrived)
                 out.timings = timings
         return out
 
@@ -240,15 +244,15 @@ class TokenizerManager:
         log.info("rid=%s aborted by request", rid)
         return True
 
-    async def flush_cache(self, loads: list[LoadInfo]) -> tuple[bool, str]:
-        busy = len(self.rid_to_state) + sum(l.num_reqs for l in loads)
+    async def flush_cache(self, loads: list[Load]) -> tuple[bool, str]:
+        busy = len(self.rid_to_state) + sum(load.num_reqs for load in loads)
         if busy:
             return False, f"refused: {busy} request(s) running or queued"
         return await self.schedulers.flush_cache()
 
     # ---- events from the ring --------------------------------------------------------------
 
-    def on_deltas(self, deltas: list[TextDeltaIn], hops_s: float = 0.0) -> None:
+    def on_deltas(self, deltas: list[TextDelta], hops_s: float = 0.0) -> None:
         """One detokenizer message; `hops_s`: how long its step took from the scheduler to here."""
         now = time.monotonic()
         for d in deltas:
@@ -267,11 +271,11 @@ class TokenizerManager:
                     self.metrics.itl.observe((now - last) / new_ids)
             s.event.set()
 
-    def on_rejection(self, rid: str, status_code: int, message: str) -> None:
+    def on_rejection(self, rid: str, status: grpc.StatusCode, message: str) -> None:
         s = self.rid_to_state.get(rid)
         if s is not None:
-            log.info("rid=%s rejected by scheduler code=%d: %s", rid, status_code, message)
-            s.fail(error_for_code(status_code, message))
+            log.info("rid=%s rejected by scheduler status=%s: %s", rid, status.name, message)
+            s.fail(error_for_status(status, message))
 
     def on_scheduler_down(self, address: str) -> None:
         """Its stream broke: the scheduler has dropped our requests, so end them now."""

@@ -1,28 +1,30 @@
-"""Check a GenerateInput before anything reaches a scheduler, and resolve its defaults.
+"""Check a GenerateInput before anything reaches a scheduler, and resolve its max_new_tokens.
 
 Every problem raises InvalidArgument whose message starts with the field's name
 (`sampling_params.top_p: ...`), so the gateway can turn it into a 400 that names the field.
-Nothing here knows gRPC; the model facts come from a TextTokenizer-like object.
+Nothing here knows gRPC; the model facts come from a TextTokenizer-like object. The defaults
+themselves are SamplingParams' (unset fields already hold them); only max_new_tokens waits for the
+prompt, and `SamplingParams.resolve` gives each sample its final parameters.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from ringserve.errors import InvalidArgument, NotFound
+from ringserve.message import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from ringserve.message.sampling import CONSTRAINTS
 from ringserve.text_tokenizer import ChatTemplateError
 
-from .io_struct import GenerateInput, Sampling, SamplingInput
-
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
-CONSTRAINED_FIELDS = ("json_schema", "regex", "ebnf")
+from .io_struct import GenerateInput
 
 
 class ModelTokenizer(Protocol):
-    vocab_size: int
+    @property
+    def vocab_size(self) -> int: ...
     context_length: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -41,10 +43,10 @@ class Limits:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A checked request: the prompt ids and one Sampling per sample (n of them)."""
+    """A checked request: the prompt ids and the resolved SamplingParams of each sample (n of them)."""
 
     input_ids: list[int]
-    samplings: list[Sampling]
+    samplings: list[SamplingParams]
 
 
 def _sp(name: str) -> str:
@@ -55,13 +57,13 @@ def _finite(x: float) -> bool:
     return not (math.isnan(x) or math.isinf(x))
 
 
-def check_sampling(sp: SamplingInput, vocab_size: int, limits: Limits) -> None:
+def check_sampling(sp: SamplingParams, vocab_size: int, limits: Limits) -> None:
     """Range checks that need no prompt. `not (a <= x <= b)` also rejects NaN."""
-    if sp.temperature is not None and not (sp.temperature >= 0 and _finite(sp.temperature)):
+    if not (sp.temperature >= 0 and _finite(sp.temperature)):
         raise InvalidArgument(_sp("temperature"), f"must be >= 0, got {sp.temperature}")
-    if sp.top_p is not None and not (0 < sp.top_p <= 1):
+    if not (0 < sp.top_p <= 1):
         raise InvalidArgument(_sp("top_p"), f"must be in (0, 1], got {sp.top_p}")
-    if sp.top_k is not None and sp.top_k < -1:
+    if sp.top_k < -1:
         raise InvalidArgument(_sp("top_k"), f"must be -1 or 0 (all tokens) or >= 1, got {sp.top_k}")
     if not (0 <= sp.min_p <= 1):
         raise InvalidArgument(_sp("min_p"), f"must be in [0, 1], got {sp.min_p}")
@@ -69,12 +71,12 @@ def check_sampling(sp: SamplingInput, vocab_size: int, limits: Limits) -> None:
         value = getattr(sp, name)
         if not (-2 <= value <= 2):
             raise InvalidArgument(_sp(name), f"must be in [-2, 2], got {value}")
-    if sp.repetition_penalty is not None and not (0 < sp.repetition_penalty <= 2):
+    if not (0 < sp.repetition_penalty <= 2):
         raise InvalidArgument(_sp("repetition_penalty"), f"must be in (0, 2], got {sp.repetition_penalty}")
     if sp.max_new_tokens is not None and sp.min_new_tokens > sp.max_new_tokens:
         raise InvalidArgument(_sp("min_new_tokens"),
                               f"{sp.min_new_tokens} is more than max_new_tokens ({sp.max_new_tokens})")
-    if sp.n is not None and not (1 <= sp.n <= limits.max_n):
+    if not (1 <= sp.n <= limits.max_n):
         raise InvalidArgument(_sp("n"), f"must be in [1, {limits.max_n}], got {sp.n}")
     if len(sp.stop) > limits.max_stop_strings:
         raise InvalidArgument(_sp("stop"), f"at most {limits.max_stop_strings} stop strings, got {len(sp.stop)}")
@@ -86,9 +88,10 @@ def check_sampling(sp: SamplingInput, vocab_size: int, limits: Limits) -> None:
     for i, t in enumerate(sp.stop_token_ids):
         if not (0 <= t < vocab_size):
             raise InvalidArgument(_sp(f"stop_token_ids[{i}]"), f"{t} is outside [0, {vocab_size})")
-    constrained = [f for f in CONSTRAINED_FIELDS if getattr(sp, f) is not None]
+    constrained = [f for f in CONSTRAINTS if getattr(sp, f) is not None]
     if len(constrained) > 1:
-        raise InvalidArgument(_sp(constrained[0]), f"at most one of json_schema, regex, ebnf (got {', '.join(constrained)})")
+        raise InvalidArgument(_sp(constrained[0]),
+                              f"at most one of json_schema, regex, ebnf (got {', '.join(constrained)})")
     # Only the cheap check here: compiling (and every other schema / pattern / grammar error) is the
     # scheduler's, whose INVALID_ARGUMENT abort names the same field.
     if sp.json_schema is not None:
@@ -131,11 +134,12 @@ def tokenize_input(req: GenerateInput, tok: ModelTokenizer) -> list[int]:
     return tok.encode(req.text)
 
 
-def resolve_max_new_tokens(sp: SamplingInput, prompt_len: int, context_length: int, input_field: str) -> int:
+def resolve_max_new_tokens(sp: SamplingParams, prompt_len: int, context_length: int, input_field: str) -> int:
     """An explicit max_new_tokens must fit the context; an unset one is capped to the room left."""
     room = context_length - prompt_len
     if room <= 0:
-        raise InvalidArgument(input_field, f"the prompt has {prompt_len} tokens; the context length is {context_length}")
+        raise InvalidArgument(input_field,
+                              f"the prompt has {prompt_len} tokens; the context length is {context_length}")
     if sp.max_new_tokens is None:
         mnt = min(DEFAULT_MAX_NEW_TOKENS, room)
     elif sp.max_new_tokens > room:
@@ -147,23 +151,6 @@ def resolve_max_new_tokens(sp: SamplingInput, prompt_len: int, context_length: i
     if sp.min_new_tokens > mnt:
         raise InvalidArgument(_sp("min_new_tokens"), f"{sp.min_new_tokens} is more than max_new_tokens ({mnt})")
     return mnt
-
-
-def resolve_sampling(sp: SamplingInput, max_new_tokens: int) -> Sampling:
-    # top_k 0 means "all" for OpenAI-style clients; the scheduler's spelling of "all" is -1.
-    top_k = -1 if sp.top_k in (None, 0) else sp.top_k
-    return Sampling(
-        temperature=1.0 if sp.temperature is None else sp.temperature,
-        top_p=1.0 if sp.top_p is None else sp.top_p,
-        top_k=top_k, min_p=sp.min_p, frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty,
-        repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
-        max_new_tokens=max_new_tokens, min_new_tokens=sp.min_new_tokens, stop=tuple(sp.stop),
-        stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-        skip_special_tokens=True if sp.skip_special_tokens is None else sp.skip_special_tokens,
-        spaces_between_special_tokens=(True if sp.spaces_between_special_tokens is None
-                                       else sp.spaces_between_special_tokens),
-        seed=sp.seed, no_stop_trim=sp.no_stop_trim, json_schema=sp.json_schema, regex=sp.regex, ebnf=sp.ebnf)
 
 
 def check_request(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> None:
@@ -185,7 +172,4 @@ def prepare(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> Prepared
     check_request(req, tok, limits)
     ids = tokenize_input(req, tok)
     mnt = resolve_max_new_tokens(req.sampling, len(ids), tok.context_length, _input_field(req))
-    base = resolve_sampling(req.sampling, mnt)
-    n = req.sampling.n or 1
-    samplings = [base if base.seed is None else replace(base, seed=base.seed + i) for i in range(n)]
-    return Prepared(input_ids=ids, samplings=samplings)
+    return Prepared(input_ids=ids, samplings=[req.sampling.resolve(mnt, i) for i in range(req.sampling.n)])

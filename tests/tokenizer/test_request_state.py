@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import asyncio
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from services.tokenizer.io_struct import Finish, Logprob, Sampling, TextDeltaIn, TokenizedReq
+from ringserve.message import Finish, Logprob, SamplingParams, TextDelta, TokenizedReq
 from services.tokenizer.request_state import ReqState
 
 
 def state() -> ReqState:
-    req = TokenizedReq(rid="r", owner="o", input_ids=[1], sampling=Sampling(), stream=True,
+    req = TokenizedReq(rid="r", owner="o", input_ids=[1], sampling=SamplingParams(), stream=True,
                        return_logprob=False, top_logprobs_num=0)
     return ReqState(req=req, group="r", index=0, scheduler="s", event=asyncio.Event())
 
 
-def delta(tok_off: int, ids: list[int], text_off: int, text: str, finish: bool = False) -> TextDeltaIn:
-    return TextDeltaIn(rid="r", token_offset=tok_off, ids=ids, text_offset=text_off, text=text,
-                       logprobs=[Logprob(i, -1.0) for i in ids], finish=Finish("length") if finish else None)
+def delta(tok_off: int, ids: list[int], text_off: int, text: str, finish: bool = False) -> TextDelta:
+    return TextDelta(rid="r", token_offset=tok_off, ids=ids, text_offset=text_off, text=text,
+                     logprobs=[Logprob(i, -1.0) for i in ids], finish=Finish("length") if finish else None)
 
 
 def test_resync_from_zero_is_deduplicated():

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from ringserve.errors import Unavailable
-from services.tokenizer.io_struct import LoadInfo
+from ringserve.message import Load
 from services.tokenizer.prefix_tree import PrefixTree
 from services.tokenizer.routing import CacheAware, LeastLoad, RoundRobin, SchedulerView, make_router
 
 
 def view(addr: str, running: int = 0, queued: int = 0, usage: float = 0.0, connected: bool = True,
          in_flight: int = 0) -> SchedulerView:
-    return SchedulerView(addr, connected, LoadInfo(num_running_reqs=running, num_queue_reqs=queued,
-                                                   token_usage=usage), in_flight)
+    return SchedulerView(addr, connected, Load(num_running_reqs=running, num_queue_reqs=queued,
+                                               token_usage=usage), in_flight)
 
 
 def test_round_robin_cycles_over_live_schedulers():

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import pytest
 
 from ringserve.errors import InvalidArgument, NotFound
+from ringserve.message import SamplingParams
 from ringserve.text_tokenizer import ChatTemplateError
-from services.tokenizer.io_struct import ChatInput, GenerateInput, SamplingInput
+from services.tokenizer.io_struct import ChatInput, GenerateInput
 from services.tokenizer.validation import Limits, prepare
 
 
@@ -32,7 +33,7 @@ LIMITS = Limits(served_model_name="tiny", max_n=4, max_stop_strings=2, max_stop_
 def run(**kw) -> object:
     sampling = kw.pop("sampling", {})
     kw.setdefault("text", "hello")
-    return prepare(GenerateInput(sampling=SamplingInput(**sampling), **kw), FakeTok(), LIMITS)
+    return prepare(GenerateInput(sampling=SamplingParams(**sampling), **kw), FakeTok(), LIMITS)
 
 
 CASES = [
