@@ -29,7 +29,7 @@ DESCRIPTIONS = {
     "grpc": "ringserve, the tokenizer's gRPC Generate directly (own async client, input_ids)",
     "engine": "the scheduler's Engine in-process, no RPC (submit/step)",
     "vllm": "vLLM CPU, OpenAI /v1/completions (bench_serving)",
-    "transformers": "services/scheduler/bench.py (transformers generate), when present",
+    "transformers": "bench/engine_bench.py (the engine in process against transformers generate)",
     "native": "ringserve, SGLang-native /generate through the gateway (bench_serving --backend sglang, "
               "token-id prompts on random-ids workloads: the same requests as grpc)",
 }
@@ -183,14 +183,10 @@ def run_engine(model: Path, wls: list[Workload], quick: bool, out: Path, emit: E
 
 
 def run_transformers(model: Path, wls: list[Workload], out: Path, emit: Emit) -> None:
-    """Delegates to the scheduler engineer's services/scheduler/bench.py (engine vs transformers
-    generate / static batch / generate_batch, in-process); its own workload, so one summary row."""
+    """Delegates to bench/engine_bench.py (engine vs transformers generate / static batch /
+    generate_batch, in-process); its own workload, so one summary row."""
     w = wls[0]
     shape = {"ringserve-tiny-llama": "tiny", "ringserve-100m-llama": "100m"}.get(model.name)
-    if importlib.util.find_spec("bench.engine_bench") is None:
-        emit(RunResult("transformers", model.name, "own", "own", w.request_rate, "skipped",
-                       "services/scheduler/bench.py is not there yet"))
-        return
     if shape is None:
         emit(RunResult("transformers", model.name, "own", "own", w.request_rate, "skipped",
                        "bench.engine_bench runs the default models only"))

@@ -197,14 +197,3 @@ class ServiceProcess:
 def python_cmd(module: str, *args: str) -> list[str]:
     """`python -m module args`, the same command the containers run."""
     return [sys.executable, "-m", module, *args]
-
-
-def reap_on_signal(procs: list[ServiceProcess]) -> None:
-    """Install SIGTERM/SIGINT handlers that stop `procs` (for scripts that own children)."""
-    def handler(signum: int, frame: object) -> None:
-        for p in reversed(procs):
-            p.stop()
-        sys.exit(128 + signum)
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
