@@ -19,11 +19,11 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import time  # noqa: E402
 
+from ringserve.message import DecodeParams, SamplingParams, StepBatch, TokenDelta  # noqa: E402
 from ringserve.text_tokenizer import TextTokenizer, default_model  # noqa: E402
 from ringserve.v1 import detokenizer_pb2 as pb  # noqa: E402
 from services.detokenizer.config import DetokenizerConfig  # noqa: E402
 from services.detokenizer.detokenizer import Detokenizer  # noqa: E402
-from services.detokenizer.messages import DecodeParams, StepBatch, TokenDelta  # noqa: E402
 from services.detokenizer.server import build_servicer  # noqa: E402
 
 TEXT = ("The detokenizer turns token ids into text, one step at a time. 東京は日本の首都です。"
@@ -37,7 +37,8 @@ def token_stream(tok: TextTokenizer, n: int) -> list[int]:
 
 
 def params(i: int, stop: bool) -> DecodeParams:
-    return DecodeParams(owner=f"tok-{i % OWNERS}", stop=("fox jumps over", "</answer>") if stop else ())
+    return DecodeParams(owner=f"tok-{i % OWNERS}",
+                        sampling=SamplingParams(stop=("fox jumps over", "</answer>") if stop else ()))
 
 
 def bench_core(tok: TextTokenizer, n_req: int, steps: int, stop: bool) -> float:
@@ -65,8 +66,7 @@ async def bench_servicer(tok: TextTokenizer, n_req: int, steps: int, stop: bool)
     stream = token_stream(tok, steps + n_req + 4)
     first = pb.StepBatch(deltas=[pb.TokenDelta(
         rid=f"r{i}", offset=0, ids=stream[i:i + 4],
-        params=pb.DecodeParams(owner=f"tok-{i % OWNERS}", stream=True, skip_special_tokens=True,
-                               stop=list(params(i, stop).stop))) for i in range(n_req)])
+        params=params(i, stop).to_pb()) for i in range(n_req)])
     await servicer.handle_batch(first)
     batches = [pb.StepBatch(deltas=[pb.TokenDelta(rid=f"r{i}", offset=s + 4, ids=[stream[i + s + 4]])
                                     for i in range(n_req)]).SerializeToString() for s in range(steps)]
