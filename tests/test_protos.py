@@ -42,7 +42,8 @@ def test_scheduler_connect_roundtrip() -> None:
 def test_detokenizer_push_and_subscribe_roundtrip() -> None:
     push = detokenizer_pb2.PushRequest(scheduler_id="s0", batch=detokenizer_pb2.StepBatch(deltas=[
         detokenizer_pb2.TokenDelta(rid="a", offset=5, ids=[7],
-                                   params=detokenizer_pb2.DecodeParams(owner="tok-1", stop=["x"]))]))
+                                   params=detokenizer_pb2.DecodeParams(
+                                       owner="tok-1", sampling_params=common_pb2.SamplingParams(stop=["x"])))]))
     assert roundtrip(push).batch.deltas[0].params.owner == "tok-1"
     sub = detokenizer_pb2.SubscribeResponse(deltas=[detokenizer_pb2.TextDelta(
         rid="a", token_offset=5, ids=[7], text_offset=9, text="é",

@@ -13,28 +13,43 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 
 T = TypeVar("T")
+_PLAIN, _REPEATED, _OPTIONAL = 0, 1, 2
+_SHARED: dict[tuple[type, type[Message]], tuple[tuple[str, int], ...]] = {}
+
+
+def _shared_fields(cls: type, pb_cls: type[Message]) -> tuple[tuple[str, int], ...]:
+    """(name, kind) of each dataclass field the message also has, worked out once per pair: the
+    conversions run per request (sampling parameters, timings), and looking the descriptors up on
+    every call cost more than the copying."""
+    shared = _SHARED.get((cls, pb_cls))
+    if shared is None:
+        out: list[tuple[str, int]] = []
+        for f in dataclasses.fields(cls):
+            fd = pb_cls.DESCRIPTOR.fields_by_name.get(f.name)
+            if fd is not None:
+                out.append((f.name, _REPEATED if fd.is_repeated else _OPTIONAL if fd.has_presence else _PLAIN))
+        shared = _SHARED[(cls, pb_cls)] = tuple(out)
+    return shared
 
 
 def fields_from_pb(cls: type[T], pb: Message, **overrides: Any) -> T:
     """cls(**fields of pb); a field the message does not have keeps the dataclass default."""
-    desc = pb.DESCRIPTOR.fields_by_name
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        fd = desc.get(f.name)
-        if fd is None or f.name in overrides:
+    for name, kind in _shared_fields(cls, type(pb)):
+        if name in overrides:
             continue
-        if fd.is_repeated:
-            kwargs[f.name] = tuple(getattr(pb, f.name))
-        elif fd.has_presence and not pb.HasField(f.name):
-            continue  # unset optional: the default
-        else:
-            kwargs[f.name] = getattr(pb, f.name)
+        if kind == _REPEATED:
+            kwargs[name] = tuple(getattr(pb, name))
+        elif kind == _PLAIN or pb.HasField(name):  # an unset optional keeps the default
+            kwargs[name] = getattr(pb, name)
     return cls(**kwargs, **overrides)
 
 
 def fields_to_pb(obj: Any, pb_cls: type[Message], skip: tuple[str, ...] = ()) -> Any:
     """pb_cls with every field of obj that the message has; None leaves an optional field unset."""
-    desc = pb_cls.DESCRIPTOR.fields_by_name
-    kwargs = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
-              if f.name in desc and f.name not in skip and getattr(obj, f.name) is not None}
+    kwargs: dict[str, Any] = {}
+    for name, _ in _shared_fields(type(obj), pb_cls):
+        value = getattr(obj, name)
+        if value is not None and name not in skip:
+            kwargs[name] = value
     return pb_cls(**kwargs)

@@ -54,10 +54,10 @@ class TokenDelta:
                                        cached_tokens=self.cached_tokens)
         if self.params is not None:
             d.params.CopyFrom(self.params.to_pb())
-        if self.logprobs:
-            d.logprobs.extend(Logprob.list_to_pb(self.logprobs))
-        if self.input_logprobs:
-            d.input_logprobs.extend(Logprob.list_to_pb(self.input_logprobs))
+        for lp in self.logprobs:
+            lp.add_to(d.logprobs)
+        for lp in self.input_logprobs:
+            lp.add_to(d.input_logprobs)
         if self.finish is not None:
             d.finish.CopyFrom(self.finish.to_pb())
         if self.timings is not None:
@@ -115,10 +115,10 @@ class TextDelta:
         out = resp.deltas.add(rid=self.rid, token_offset=self.token_offset, ids=self.ids,
                               text_offset=self.text_offset, text=self.text, prompt_tokens=self.prompt_tokens,
                               cached_tokens=self.cached_tokens)
-        if self.logprobs:
-            out.logprobs.extend(Logprob.list_to_pb(self.logprobs))
-        if self.input_logprobs:
-            out.input_logprobs.extend(Logprob.list_to_pb(self.input_logprobs))
+        for lp in self.logprobs:
+            lp.add_to(out.logprobs)
+        for lp in self.input_logprobs:
+            lp.add_to(out.input_logprobs)
         if self.finish is not None:
             out.finish.CopyFrom(self.finish.to_pb())
         if self.timings is not None:

@@ -1,6 +1,7 @@
 """The detokenizer core: rid -> request state, one step of token deltas in, text deltas per owner out.
 
-Knows nothing of gRPC. Per step it
+Knows nothing of gRPC: it works on the shared `ringserve.message` types, and the servicer converts
+at the edge (`StepBatch.from_pb` in, `OwnerBatch.to_pb` out). Per step it
   1. folds each TokenDelta into its request's state (new, resync, dedup by offset, unknown rid),
   2. decodes the new ids of every request in the step with batched decode calls,
   3. gates the text through the request's stop-string trimmer,
@@ -12,16 +13,30 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
+from ringserve.message import DecodeParams, Logprob, StepBatch, TextDelta, Timings, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
+from ringserve.v1 import detokenizer_pb2
 from services.detokenizer.decode_state import DecodeJob, DecodeState, IncrementalDecoder
-from services.detokenizer.messages import (DecodeParams, OwnerBatch, StepBatch, TextDelta,
-                                           TokenDelta)
 from services.detokenizer.stop_trim import StopTrimmer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OwnerBatch:
+    """The text deltas of one step for one tokenizer replica: one SubscribeResponse's worth."""
+
+    owner: str
+    deltas: list[TextDelta]
+    step_sent_at: float = 0.0
+
+    def to_pb(self) -> detokenizer_pb2.SubscribeResponse:
+        resp = detokenizer_pb2.SubscribeResponse(step_sent_at=self.step_sent_at)
+        for d in self.deltas:
+            d.add_to(resp)
+        return resp
 
 
 @dataclass(slots=True)
@@ -37,9 +52,9 @@ class RequestState:
     decode_s: float = 0.0  # share of step decode time attributed to this request
     # Non-streaming requests: what accumulates until the single delta at finish.
     pending_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[Any] = field(default_factory=list)
+    pending_logprobs: list[Logprob] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
-    pending_input_logprobs: list[Any] = field(default_factory=list)
+    pending_input_logprobs: list[Logprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -109,7 +124,7 @@ class Detokenizer:
         st.n_ids += len(ids)
         decode_ids = ids
         fin = delta.finish
-        if (fin is not None and fin.matched_token is not None and not st.params.no_stop_trim
+        if (fin is not None and fin.matched_token is not None and not st.params.sampling.no_stop_trim
                 and ids and ids[-1] == fin.matched_token):
             decode_ids = ids[:-1]  # the stop token's text is not part of the output
         st.decode.append(decode_ids)
@@ -117,9 +132,11 @@ class Detokenizer:
 
     @staticmethod
     def _new_state(rid: str, params: DecodeParams) -> RequestState:
-        return RequestState(rid=rid, params=params,
-                            decode=DecodeState(skip_special_tokens=params.skip_special_tokens),
-                            stop=StopTrimmer(params.stop, params.no_stop_trim))
+        # spaces_between_special_tokens is not read: fast (Rust) tokenizers ignore it, as
+        # transformers' and vLLM's fast paths do; it travels in SamplingParams for the API only.
+        sp = params.sampling
+        return RequestState(rid=rid, params=params, decode=DecodeState(skip_special_tokens=sp.skip_special_tokens),
+                            stop=StopTrimmer(sp.stop, sp.no_stop_trim))
 
     # -- emitting text ---------------------------------------------------------------------
 
@@ -146,12 +163,13 @@ class Detokenizer:
             logprobs = delta.logprobs
         # Non-streaming text is all of the output; streaming text starts where the last delta ended.
         text_offset = st.n_chars if st.params.stream else 0
-        out = TextDelta(rid=st.rid, token_offset=token_offset, ids=ids, text_offset=text_offset,
-                        text=text, logprobs=logprobs, finish=fin,
-                        prompt_tokens=st.params.prompt_tokens, cached_tokens=delta.cached_tokens,
-                        timings=delta.timings, input_logprobs=input_logprobs)
         st.n_chars = text_offset + len(text)
+        timings: Timings | None = None
         if fin is not None:
-            out.detokenize_s = st.decode_s
+            # Timings travel on the last delta only: the scheduler's, plus this service's decode share.
+            timings = replace(delta.timings or Timings(), detokenize_s=st.decode_s)
             log.debug("rid=%s finished (%s): %d ids, %d chars", st.rid, fin.type, st.n_ids, st.n_chars)
-        return out
+        return TextDelta(rid=st.rid, token_offset=token_offset, ids=ids, text_offset=text_offset,
+                         text=text, logprobs=logprobs, finish=fin,
+                         prompt_tokens=st.params.prompt_tokens, cached_tokens=delta.cached_tokens,
+                         timings=timings, input_logprobs=input_logprobs)

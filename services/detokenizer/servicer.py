@@ -1,4 +1,5 @@
-"""DetokenizerService over gRPC: protobuf <-> core dataclasses, and the two long-lived streams.
+"""DetokenizerService over gRPC: the two long-lived streams, converting at the edge with the shared
+types (`StepBatch.from_pb` in, `OwnerBatch.to_pb` out).
 
 Push (one per scheduler): step batches in, PushResponse.resync out whenever a tokenizer
 (re)subscribes. Subscribe (one per tokenizer replica): that owner's text batches out.
@@ -12,65 +13,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from ringserve.finish import finish_from_pb, finish_to_pb
 from ringserve.errors import InvalidArgument
+from ringserve.message import StepBatch
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import (DecodeParams, OwnerBatch, StepBatch, TextDelta,
-                                           TokenDelta)
 from services.detokenizer.metrics import DetokenizerMetrics
 from services.detokenizer.subscriptions import Subscriptions
 
 log = logging.getLogger(__name__)
 PUSH_OUTBOX = 64  # control messages to one scheduler; resyncs beyond it are dropped with a log line
 
-
-# -- conversions --------------------------------------------------------------------------------
-
-def params_from_pb(p: detokenizer_pb2.DecodeParams) -> DecodeParams:
-    return DecodeParams(owner=p.owner, stop=tuple(p.stop), no_stop_trim=p.no_stop_trim,
-                        skip_special_tokens=p.skip_special_tokens,
-                        spaces_between_special_tokens=p.spaces_between_special_tokens,
-                        stream=p.stream, prompt_tokens=p.prompt_tokens)
-
-
-def delta_from_pb(d: detokenizer_pb2.TokenDelta) -> TokenDelta:
-    # Hot path (once per request per step): slicing a repeated field is ~5x faster than list().
-    return TokenDelta(rid=d.rid, ids=d.ids[:], offset=d.offset,
-                      params=params_from_pb(d.params) if d.HasField("params") else None,
-                      finish=finish_from_pb(d.finish) if d.HasField("finish") else None,
-                      logprobs=d.logprobs[:] if len(d.logprobs) else [], cached_tokens=d.cached_tokens,
-                      timings=d.timings if d.HasField("timings") else None,
-                      input_logprobs=d.input_logprobs[:] if len(d.input_logprobs) else [])
-
-
-def batch_from_pb(b: detokenizer_pb2.StepBatch) -> StepBatch:
-    return StepBatch(deltas=[delta_from_pb(d) for d in b.deltas], sent_at=b.sent_at, resync=b.resync)
-
-
-def add_text_delta(resp: detokenizer_pb2.SubscribeResponse, t: TextDelta) -> None:
-    """Append `t` to `resp` (adding in place with keywords is the cheapest way to build it)."""
-    out = resp.deltas.add(rid=t.rid, token_offset=t.token_offset, ids=t.ids, text_offset=t.text_offset,
-                          text=t.text, prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens)
-    if t.logprobs:
-        out.logprobs.extend(t.logprobs)
-    if t.input_logprobs:
-        out.input_logprobs.extend(t.input_logprobs)
-    if t.finish is not None:
-        out.finish.CopyFrom(finish_to_pb(t.finish))
-        if t.timings is not None:
-            out.timings.CopyFrom(t.timings)
-        out.timings.detokenize_s = t.detokenize_s
-
-
-def owner_batch_to_pb(b: OwnerBatch) -> detokenizer_pb2.SubscribeResponse:
-    resp = detokenizer_pb2.SubscribeResponse(step_sent_at=b.step_sent_at)
-    for d in b.deltas:
-        add_text_delta(resp, d)
-    return resp
-
-
-# -- the service --------------------------------------------------------------------------------
 
 class _SchedulerLink:
     """One connected Push stream: where resync requests for that scheduler go."""
@@ -92,7 +44,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
 
     async def handle_batch(self, pb: detokenizer_pb2.StepBatch) -> None:
         """Decode one step and route each owner's text; waits while a subscriber is full."""
-        batches, stats = self.core.step(batch_from_pb(pb))
+        batches, stats = self.core.step(StepBatch.from_pb(pb))
         if self.metrics is not None:
             self.metrics.step_decode.observe(stats.decode_s)
             self.metrics.tokens.inc(stats.tokens)
@@ -100,7 +52,7 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             if stats.deltas_dropped:
                 self.metrics.deltas_dropped.inc(stats.deltas_dropped)
         for b in batches:
-            await self.subs.publish(b.owner, owner_batch_to_pb(b))
+            await self.subs.publish(b.owner, b.to_pb())
 
     async def Push(self, request_iterator: AsyncIterator[detokenizer_pb2.PushRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[detokenizer_pb2.PushResponse]:

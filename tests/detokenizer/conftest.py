@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ringserve.message import DecodeParams, Finish, StepBatch, TextDelta, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import DecodeParams, Finish, StepBatch, TextDelta, TokenDelta
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Stop here, then go on.",

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringserve.message import DecodeParams, SamplingParams
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.decode_state import MAX_WINDOW
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import DecodeParams
 
 from conftest import TEXTS, run_request, split  # type: ignore[import-not-found]
 
@@ -19,7 +19,8 @@ sizes_st = st.lists(st.integers(1, 5), min_size=1, max_size=8)
 def check(tok: TextTokenizer, ids: list[int], sizes: list[int], skip: bool) -> None:
     assert len(ids) < MAX_WINDOW  # the no-U+FFFD guarantee holds below the window cap
     det = Detokenizer(tok)
-    deltas = run_request(det, split(ids, sizes), DecodeParams(owner="o", skip_special_tokens=skip))
+    params = DecodeParams(owner="o", sampling=SamplingParams(skip_special_tokens=skip))
+    deltas = run_request(det, split(ids, sizes), params)
     full = tok.decode(ids, skip_special_tokens=skip)
     text = "".join(d.text for d in deltas)
     assert text == full

@@ -3,11 +3,12 @@ for a non-streaming request's single delta at finish."""
 
 from __future__ import annotations
 
+from ringserve.message import DecodeParams, Finish, Logprob, StepBatch, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import DecodeParams, Finish, StepBatch, TokenDelta
 
-PROMPT_LPS = ["lp0", "lp1"]  # opaque to the detokenizer (TokenLogprob messages on the wire)
+# Passed through as they came: the detokenizer never reads them.
+PROMPT_LPS = [Logprob(token_id=0, logprob=-0.5), Logprob(token_id=1, logprob=-1.5, top=((2, -0.25),))]
 
 
 def _run(tok: TextTokenizer, stream: bool) -> list:

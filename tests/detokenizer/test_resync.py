@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringserve.message import DecodeParams, Finish, SamplingParams, StepBatch, TextDelta, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import DecodeParams, Finish, StepBatch, TextDelta, TokenDelta
 
 from conftest import TEXTS, split  # type: ignore[import-not-found]
 
@@ -42,7 +42,7 @@ def feed(det: Detokenizer, client: Client, batch: StepBatch) -> None:
 def test_resync_mid_stream(tiny_tok: TextTokenizer, text: str, sizes: list[int], resync_at: list[int],
                            restart: bool, stop: tuple[str, ...]) -> None:
     ids = tiny_tok.encode(text, add_special_tokens=False)
-    params = DecodeParams(owner="o", stop=stop)
+    params = DecodeParams(owner="o", sampling=SamplingParams(stop=stop))
     det, client = Detokenizer(tiny_tok), Client()
     chunks = split(ids, sizes)
     sent = 0

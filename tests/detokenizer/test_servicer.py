@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from ringserve.errors import ErrorInterceptor
+from ringserve.message import SamplingParams
 from ringserve.text_tokenizer import TextTokenizer
 from ringserve.v1 import common_pb2, detokenizer_pb2 as pb, detokenizer_pb2_grpc
 from services.detokenizer.config import DetokenizerConfig
@@ -49,7 +50,8 @@ class PushStream:
 
 def delta(tok: TextTokenizer, rid: str, owner: str, text: str) -> pb.TokenDelta:
     return pb.TokenDelta(rid=rid, offset=0, ids=tok.encode(text, add_special_tokens=False),
-                         params=pb.DecodeParams(owner=owner, stream=True, skip_special_tokens=True),
+                         params=pb.DecodeParams(owner=owner, stream=True,
+                                                sampling_params=SamplingParams(skip_special_tokens=True).to_pb()),
                          finish=common_pb2.FinishReason(type="length"))
 
 

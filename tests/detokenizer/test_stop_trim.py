@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringserve.message import DecodeParams, Finish, SamplingParams, TextDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import DecodeParams, Finish, TextDelta
 from services.detokenizer.stop_trim import StopTrimmer, held_suffix_len
 
 from conftest import run_request, split  # type: ignore[import-not-found]
@@ -26,7 +26,7 @@ def scheduler_stop(tok: TextTokenizer, ids: list[int], stops: list[str]) -> tupl
 def stream(tok: TextTokenizer, text: str, stops: list[str], sizes: list[int] | None = None,
            no_stop_trim: bool = False) -> tuple[list[TextDelta], Finish, str]:
     ids, finish, full = scheduler_stop(tok, tok.encode(text, add_special_tokens=False), stops)
-    params = DecodeParams(owner="o", stop=tuple(stops), no_stop_trim=no_stop_trim)
+    params = DecodeParams(owner="o", sampling=SamplingParams(stop=tuple(stops), no_stop_trim=no_stop_trim))
     deltas = run_request(Detokenizer(tok), split(ids, sizes or [1]), params, finish)
     return deltas, finish, full
 
@@ -75,7 +75,7 @@ def test_no_stop_trim_keeps_the_stop(tiny_tok: TextTokenizer) -> None:
 def test_stop_token_dropped_unless_no_stop_trim(tiny_tok: TextTokenizer) -> None:
     ids = tiny_tok.encode("hi there", add_special_tokens=False) + [1]  # </s>
     for keep, want in ((False, "hi there"), (True, "hi there</s>")):
-        params = DecodeParams(owner="o", skip_special_tokens=False, no_stop_trim=keep)
+        params = DecodeParams(owner="o", sampling=SamplingParams(skip_special_tokens=False, no_stop_trim=keep))
         deltas = run_request(Detokenizer(tiny_tok), split(ids, [1]), params, Finish("stop", matched_token=1))
         assert out(deltas) == want
         assert [i for d in deltas for i in d.ids] == ids  # the id is still reported
@@ -83,7 +83,7 @@ def test_stop_token_dropped_unless_no_stop_trim(tiny_tok: TextTokenizer) -> None
 
 def test_non_streaming_gets_one_delta(tiny_tok: TextTokenizer) -> None:
     ids = tiny_tok.encode("all at once 東京", add_special_tokens=False)
-    params = DecodeParams(owner="o", stream=False, stop=("once",))
+    params = DecodeParams(owner="o", stream=False, sampling=SamplingParams(stop=("once",)))
     deltas = run_request(Detokenizer(tiny_tok), split(ids, [2]), params, Finish("length"))
     assert len(deltas) == 1
     assert deltas[0].text == "all at once 東京" and deltas[0].ids == ids

@@ -1,6 +1,6 @@
 """Steady-state decode throughput: N concurrent streaming requests, one new token each per step.
 
-    python -m services.detokenizer.bench [--requests 256] [--steps 400] [--model M] [--stop]
+    python -m bench.detokenizer_bench [--requests 256] [--steps 400] [--model M] [--stop] [--logprobs K]
 
 Prints tokens/s for the core (Detokenizer.step on dataclasses) and through the servicer
 (protobuf StepBatch in -> decode -> SubscribeResponse per owner queued to subscribers), per core
@@ -19,11 +19,11 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import time  # noqa: E402
 
+from ringserve.message import DecodeParams, Logprob, SamplingParams, StepBatch, TokenDelta  # noqa: E402
 from ringserve.text_tokenizer import TextTokenizer, default_model  # noqa: E402
 from ringserve.v1 import detokenizer_pb2 as pb  # noqa: E402
 from services.detokenizer.config import DetokenizerConfig  # noqa: E402
 from services.detokenizer.detokenizer import Detokenizer  # noqa: E402
-from services.detokenizer.messages import DecodeParams, StepBatch, TokenDelta  # noqa: E402
 from services.detokenizer.server import build_servicer  # noqa: E402
 
 TEXT = ("The detokenizer turns token ids into text, one step at a time. 東京は日本の首都です。"
@@ -37,15 +37,24 @@ def token_stream(tok: TextTokenizer, n: int) -> list[int]:
 
 
 def params(i: int, stop: bool) -> DecodeParams:
-    return DecodeParams(owner=f"tok-{i % OWNERS}", stop=("fox jumps over", "</answer>") if stop else ())
+    return DecodeParams(owner=f"tok-{i % OWNERS}",
+                        sampling=SamplingParams(stop=("fox jumps over", "</answer>") if stop else ()))
 
 
-def bench_core(tok: TextTokenizer, n_req: int, steps: int, stop: bool) -> float:
+def logprobs(token_id: int, k: int) -> list[Logprob]:
+    """What a request asking for logprobs with k alternatives gets per token (none when k < 0)."""
+    if k < 0:
+        return []
+    return [Logprob(token_id, -0.5, tuple((token_id + j, -1.0 - j) for j in range(k)))]
+
+
+def bench_core(tok: TextTokenizer, n_req: int, steps: int, stop: bool, k: int) -> float:
     det = Detokenizer(tok)
     stream = token_stream(tok, steps + n_req + 4)
     # Warm-up step carrying params (and a few tokens) for every request.
     det.step(StepBatch([TokenDelta(f"r{i}", stream[i:i + 4], 0, params(i, stop)) for i in range(n_req)]))
-    batches = [StepBatch([TokenDelta(f"r{i}", [stream[i + s + 4]], s + 4) for i in range(n_req)])
+    batches = [StepBatch([TokenDelta(f"r{i}", [stream[i + s + 4]], s + 4,
+                                     logprobs=logprobs(stream[i + s + 4], k)) for i in range(n_req)])
                for s in range(steps)]
     t0 = time.process_time()
     for b in batches:
@@ -53,7 +62,7 @@ def bench_core(tok: TextTokenizer, n_req: int, steps: int, stop: bool) -> float:
     return n_req * steps / (time.process_time() - t0)
 
 
-async def bench_servicer(tok: TextTokenizer, n_req: int, steps: int, stop: bool) -> float:
+async def bench_servicer(tok: TextTokenizer, n_req: int, steps: int, stop: bool, k: int) -> float:
     servicer = build_servicer(DetokenizerConfig(model="bench", metrics_port=-1), tok)
     subs = [servicer.subs.subscribe(f"tok-{o}") for o in range(OWNERS)]
 
@@ -65,10 +74,10 @@ async def bench_servicer(tok: TextTokenizer, n_req: int, steps: int, stop: bool)
     stream = token_stream(tok, steps + n_req + 4)
     first = pb.StepBatch(deltas=[pb.TokenDelta(
         rid=f"r{i}", offset=0, ids=stream[i:i + 4],
-        params=pb.DecodeParams(owner=f"tok-{i % OWNERS}", stream=True, skip_special_tokens=True,
-                               stop=list(params(i, stop).stop))) for i in range(n_req)])
+        params=params(i, stop).to_pb()) for i in range(n_req)])
     await servicer.handle_batch(first)
-    batches = [pb.StepBatch(deltas=[pb.TokenDelta(rid=f"r{i}", offset=s + 4, ids=[stream[i + s + 4]])
+    batches = [pb.StepBatch(deltas=[pb.TokenDelta(rid=f"r{i}", offset=s + 4, ids=[stream[i + s + 4]],
+                                                  logprobs=Logprob.list_to_pb(logprobs(stream[i + s + 4], k)))
                                     for i in range(n_req)]).SerializeToString() for s in range(steps)]
     t0 = time.process_time()
     for raw in batches:  # parse included: that is what the gRPC layer hands the servicer
@@ -85,12 +94,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--stop", action="store_true", help="give every request two stop strings")
+    ap.add_argument("--logprobs", type=int, default=-1, metavar="K",
+                    help="every token carries its logprob and K alternatives (default: no logprobs)")
     args = ap.parse_args()
     tok = TextTokenizer.from_model(args.model)
-    core = bench_core(tok, args.requests, args.steps, args.stop)
-    via = asyncio.run(bench_servicer(tok, args.requests, args.steps, args.stop))
+    core = bench_core(tok, args.requests, args.steps, args.stop, args.logprobs)
+    via = asyncio.run(bench_servicer(tok, args.requests, args.steps, args.stop, args.logprobs))
     print(f"detokenizer bench: {args.requests} concurrent requests x {args.steps} steps, "
           f"stop strings: {'yes' if args.stop else 'no'}, "
+          f"logprobs: {args.logprobs if args.logprobs >= 0 else 'no'}, "
           "tokens per CPU-second of one core")
     print(f"  core (Detokenizer.step):          {core:>10,.0f} tokens/s")
     print(f"  servicer (protobuf in/out+route): {via:>10,.0f} tokens/s")
