@@ -11,9 +11,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringserve.process import READY_LINE, free_port
-
 from bench.server_proc import Server
+from ringserve.process import READY_LINE, free_port
 
 
 @dataclass

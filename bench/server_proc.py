@@ -10,9 +10,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ringserve.process import ServiceProcess
-
 from bench.venvs import CACHE, log
+from ringserve.process import ServiceProcess
 
 LOG_DIR = CACHE / "logs"
 
@@ -69,7 +68,7 @@ class Server:
         self.proc = ServiceProcess(name, cmd, env=env, sink=self.watcher)
         self.health_url = health_url
 
-    def start(self, timeout: float) -> "Server":
+    def start(self, timeout: float) -> Server:
         t0 = time.monotonic()
         log(f"starting {self.name} (log: {self.log_path})")
         self.proc.start()
@@ -120,7 +119,7 @@ class Server:
         self.watcher.flush()
         log(f"{self.name} stopped")
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc: object) -> None:

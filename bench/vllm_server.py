@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ringserve.process import free_port
-
 from bench.server_proc import Server
 from bench.venvs import ensure_venv
+from ringserve.process import free_port
 
 VLLM_VERSION = "0.32.0"
 READY_MARKER = "Application startup complete"

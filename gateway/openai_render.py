@@ -14,9 +14,17 @@ from typing import Any
 
 from gateway.convert import chat_logprobs, echo_logprobs, finish_error, matched
 from gateway.errors import GatewayError
-from gateway.protocol import (AssistantMessage, ChatChoice, ChatCompletionResponse, ChoiceLogprobs,
-                              CompletionChoice, CompletionLogprobs, CompletionResponse,
-                              PromptTokensDetails, Usage)
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
 from gateway.streams import Sample, merge
 from ringserve.v1 import api_pb2 as pb
 

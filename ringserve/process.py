@@ -79,7 +79,7 @@ class ServiceProcess:
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         self._ready.clear()
         self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,

@@ -74,7 +74,7 @@ class TextTokenizer:
     special_ids: frozenset[int] = field(default_factory=frozenset)
 
     @classmethod
-    def from_model(cls, model: str) -> "TextTokenizer":
+    def from_model(cls, model: str) -> TextTokenizer:
         model_dir = resolve_model_dir(model)
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tcfg = _read_json(model_dir / "tokenizer_config.json")

@@ -17,8 +17,7 @@ from typing import Any
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.decode_state import DecodeJob, DecodeState, IncrementalDecoder
-from services.detokenizer.messages import (DecodeParams, OwnerBatch, StepBatch, TextDelta,
-                                           TokenDelta)
+from services.detokenizer.messages import DecodeParams, OwnerBatch, StepBatch, TextDelta, TokenDelta
 from services.detokenizer.stop_trim import StopTrimmer
 
 log = logging.getLogger(__name__)

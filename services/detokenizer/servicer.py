@@ -12,12 +12,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from ringserve.finish import finish_from_pb, finish_to_pb
 from ringserve.errors import InvalidArgument
+from ringserve.finish import finish_from_pb, finish_to_pb
 from ringserve.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.detokenizer import Detokenizer
-from services.detokenizer.messages import (DecodeParams, OwnerBatch, StepBatch, TextDelta,
-                                           TokenDelta)
+from services.detokenizer.messages import DecodeParams, OwnerBatch, StepBatch, TextDelta, TokenDelta
 from services.detokenizer.metrics import DetokenizerMetrics
 from services.detokenizer.subscriptions import Subscriptions
 

@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.scheduler.grammar import (GrammarMasker, GrammarQueue, GrammarQueueFull, constraint_of,
-                                        field_of)
+from services.scheduler.grammar import GrammarMasker, GrammarQueue, GrammarQueueFull, constraint_of, field_of
 from services.scheduler.req import FinishInfo, Req
 
 # google.rpc.Code values for FinishInfo.status_code.

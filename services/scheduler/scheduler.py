@@ -32,8 +32,13 @@ from services.scheduler.req import FinishInfo, Req
 from services.scheduler.retract import retract_for_decode
 from services.scheduler.sample_reqs import sample_reqs
 from services.scheduler.sampling import make_generator
-from services.scheduler.schedule_policy import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,
-                                                NEW_TOKEN_RATIO_DECAY, PrefillAdder, order_waiting)
+from services.scheduler.schedule_policy import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO,
+    NEW_TOKEN_RATIO_DECAY,
+    PrefillAdder,
+    order_waiting,
+)
 from services.scheduler.stats import SchedulerStats
 
 RECENT_FINISHED_S = 60.0

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from ringserve.finish import finish_to_pb
 from ringserve.errors import InvalidArgument, Unavailable
+from ringserve.finish import finish_to_pb
 from ringserve.v1 import common_pb2, detokenizer_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.engine import Engine, Load, QueueFull
 from services.scheduler.outputs import ReqOutput

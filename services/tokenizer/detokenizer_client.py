@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import grpc
 
-from ringserve.reconnect import handshake, reconnect_forever
 from ringserve.finish import finish_from_pb
 from ringserve.grpc_server import client_channel
+from ringserve.reconnect import handshake, reconnect_forever
 from ringserve.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
 
 from .io_struct import Logprob, TextDeltaIn

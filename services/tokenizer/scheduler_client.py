@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import grpc
 
-from ringserve.reconnect import reconnect_forever
 from ringserve.errors import Unavailable
 from ringserve.grpc_server import client_channel
+from ringserve.reconnect import reconnect_forever
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .discovery import parse_dns_target

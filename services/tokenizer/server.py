@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ringserve.errors import Unavailable
 from ringserve import tls
+from ringserve.errors import Unavailable
 from ringserve.grpc_server import GrpcService
 from ringserve.metrics_http import start_metrics_server
 from ringserve.text_tokenizer import TextTokenizer

@@ -13,9 +13,9 @@ from contextlib import aclosing
 
 import grpc
 
-from ringserve.finish import finish_to_pb
 from ringserve import __version__
 from ringserve.errors import InvalidArgument, ServiceError
+from ringserve.finish import finish_to_pb
 from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 

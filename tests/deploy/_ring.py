@@ -56,7 +56,7 @@ class LocalService:
     ports: list[int]  # container ports it listens on (its own --port and --metrics-port)
     kind: str  # "grpc" (health Watch) or "http" (ready line)
     serve_port: int  # the port its health check targets
-    health: Callable[["PortMap"], None] = field(repr=False, default=lambda pm: None)
+    health: Callable[[PortMap], None] = field(repr=False, default=lambda pm: None)
 
 
 @dataclass

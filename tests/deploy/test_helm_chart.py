@@ -16,8 +16,24 @@ import pytest
 import yaml
 
 # helm: helm-python-sdk, or the module is skipped; case: the values-matrix fixture (one rendered case per file)
-from tests.deploy._helm import (CHART, GRPC_COMPONENTS, K8S_VERSIONS, MATRIX, NAMESPACE, RELEASE, ROOT, arg,  # noqa: F401
-                                by_kind, case, component, container, deployments, helm, render, values_of)
+from tests.deploy._helm import (  # noqa: F401
+    CHART,
+    GRPC_COMPONENTS,
+    K8S_VERSIONS,
+    MATRIX,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    arg,
+    by_kind,
+    case,
+    component,
+    container,
+    deployments,
+    helm,
+    render,
+    values_of,
+)
 
 
 def test_lint_strict_every_case() -> None:

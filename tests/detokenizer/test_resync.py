@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from conftest import TEXTS, split  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
 from services.detokenizer.messages import DecodeParams, Finish, StepBatch, TextDelta, TokenDelta
-
-from conftest import TEXTS, split  # type: ignore[import-not-found]
 
 
 class Client:

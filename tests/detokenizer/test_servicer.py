@@ -10,7 +10,8 @@ import pytest
 
 from ringserve.errors import ErrorInterceptor
 from ringserve.text_tokenizer import TextTokenizer
-from ringserve.v1 import common_pb2, detokenizer_pb2 as pb, detokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, detokenizer_pb2_grpc
+from ringserve.v1 import detokenizer_pb2 as pb
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.server import build_servicer
 

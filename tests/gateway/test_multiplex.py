@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from ringserve.v1 import api_pb2 as pb
 from gateway.multiplex import Inbox
+from ringserve.v1 import api_pb2 as pb
 from tests.gateway.conftest import start_gateway
 from tests.gateway.fake_tokenizer import MODEL, FakeTokenizer
 

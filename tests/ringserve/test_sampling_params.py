@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ringserve.sampling_params import SamplingParams
 from ringserve.v1 import common_pb2
-
 
 
 def f32(lo: float, hi: float) -> st.SearchStrategy[float]:

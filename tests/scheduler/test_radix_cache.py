@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.scheduler.memory_pool import TokenToKVPool
 from services.scheduler.radix_cache import RadixCache

@@ -18,10 +18,9 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")  # requirements-dev.txt
 import requests  # noqa: E402 - schemathesis brings it
-from schemathesis import GenerationMode  # noqa: E402
-
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
 
 from tests.resilience.cluster import Svc, cluster  # noqa: E402
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from services.tokenizer.io_struct import Finish, Logprob, Sampling, TextDeltaIn, TokenizedReq
 from services.tokenizer.request_state import ReqState

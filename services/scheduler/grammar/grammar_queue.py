@@ -18,8 +18,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from services.scheduler.grammar.backend import (CompiledGrammar, GrammarBackend, GrammarError, GrammarKind,
-                                                GrammarMatcher, field_of)
+from services.scheduler.grammar.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarKind,
+    GrammarMatcher,
+    field_of,
+)
 from services.scheduler.grammar.grammar_cache import CacheEntry, GrammarCache, GrammarKey
 from services.scheduler.grammar.metrics import GrammarMetrics
 

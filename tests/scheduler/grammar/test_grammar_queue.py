@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from services.scheduler.grammar import (GrammarCache, GrammarError, GrammarQueue, GrammarQueueFull,
-                                        GrammarReady)
+from services.scheduler.grammar import GrammarCache, GrammarError, GrammarQueue, GrammarQueueFull, GrammarReady
 from services.scheduler.grammar.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 from services.scheduler.grammar.grammar_queue import DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT
 
