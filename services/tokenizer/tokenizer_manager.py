@@ -4,8 +4,9 @@ A Generate call is validated and tokenized, expanded into n internal requests, r
 scheduler and registered in `rid_to_state`; the detokenizer's deltas fill each ReqState and wake
 the call's consumer, which collects outputs until every sample has finished. A state lives from
 intake until its consumer releases the call (finished, error, abort, cancel or deadline: the
-`finally` of `generate`, or a GenerateStream session's own bookkeeping), so rid_to_state cannot leak. Nothing here knows gRPC: schedulers are reached through
-the `SchedulerLinks` protocol and errors are ringserve.errors exceptions.
+`finally` of `generate`, or a GenerateStream session's own bookkeeping), so rid_to_state cannot leak.
+Nothing here knows gRPC: schedulers are reached through the `SchedulerLinks` protocol and errors
+are ringserve.errors exceptions.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class TokenizerManager:
         return True
 
     async def flush_cache(self, loads: list[LoadInfo]) -> tuple[bool, str]:
-        busy = len(self.rid_to_state) + sum(l.num_reqs for l in loads)
+        busy = len(self.rid_to_state) + sum(load.num_reqs for load in loads)
         if busy:
             return False, f"refused: {busy} request(s) running or queued"
         return await self.schedulers.flush_cache()

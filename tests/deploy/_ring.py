@@ -151,7 +151,8 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 
 @contextmanager
-def running(services: list[LocalService], pm: PortMap, model_dir: str, hf_home: str) -> Iterator[dict[str, ServiceProcess]]:
+def running(services: list[LocalService], pm: PortMap, model_dir: str,
+            hf_home: str) -> Iterator[dict[str, ServiceProcess]]:
     """Start `services` in the given order, each gated on readiness and its own health check."""
     procs: dict[str, ServiceProcess] = {}
     try:

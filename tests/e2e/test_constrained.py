@@ -165,7 +165,7 @@ def test_json_schemas(stack: Stack) -> None:
             "seed": 1000 + i}})
     outs = generate_all(stack, bodies)
     stopped = 0
-    for i, (body, out) in enumerate(zip(bodies, outs)):
+    for i, (_body, out) in enumerate(zip(bodies, outs)):
         reason = out["meta_info"]["finish_reason"]["type"]
         assert reason in ("stop", "length"), (i, out["meta_info"])
         if reason == "stop":

@@ -59,7 +59,8 @@ def test_errors_keep_their_status_on_both_paths(gateways: dict[int, str]) -> Non
     for url in gateways.values():
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=10)
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=MODEL, prompt="ERR INVALID_ARGUMENT sampling_params.max_new_tokens: too big")
+            client.completions.create(model=MODEL,
+                                      prompt="ERR INVALID_ARGUMENT sampling_params.max_new_tokens: too big")
         assert e.value.body["param"] == "max_tokens"
         with pytest.raises(openai.APIError):
             list(client.completions.create(model=MODEL, prompt="MIDERR UNAVAILABLE gone", stream=True))
