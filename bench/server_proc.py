@@ -75,6 +75,7 @@ class Server:
         deadline = t0 + timeout
         while not self.watcher.seen.wait(0.5):
             if not self.proc.alive():
+                assert self.proc.proc is not None  # started above
                 raise RuntimeError(f"{self.name} exited with {self.proc.proc.returncode}; "
                                    f"last output:\n{''.join(list(self.proc.tail)[-20:])}")
             if time.monotonic() > deadline:
@@ -89,6 +90,7 @@ class Server:
     def _confirm_health(self, deadline: float) -> None:
         """GET the health URL until 200. uvicorn logs "Application startup complete" just before it
         binds the socket, so the first tries may be refused; this is bounded by the start deadline."""
+        assert self.health_url is not None  # called only when there is one
         last: Exception | None = None
         while time.monotonic() < deadline and self.proc.alive():
             try:

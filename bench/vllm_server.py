@@ -7,6 +7,7 @@ removed after install.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.server_proc import Server
@@ -23,7 +24,7 @@ def vllm_python() -> Path:
 
 
 def start_vllm(model: Path, served_name: str, kv_cache_gib: int = 2, timeout: float = 600,
-               extra: list[str] = ()) -> tuple[Server, str]:
+               extra: Sequence[str] = ()) -> tuple[Server, str]:
     """Start vLLM's OpenAI server on a free port; returns (server, base URL)."""
     py = vllm_python()
     port = free_port()

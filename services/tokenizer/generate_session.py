@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 from ringserve.errors import AlreadyExists, InvalidArgument, ServiceError, Unavailable
@@ -74,7 +74,7 @@ class GenerateSession:
         self._watcher: asyncio.Task[None] | None = None
 
     async def serve(self, requests: AsyncIterator[pb.GenerateStreamRequest]
-                    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+                    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """The whole call: read the client's instructions alongside, yield the batches, and stop
         every generation when the call ends (finished, cancelled or broken)."""
         feed = asyncio.ensure_future(self.feed(requests))
@@ -185,7 +185,7 @@ class GenerateSession:
         draining = self.stopping is not None and self.stopping.is_set()
         return not self.starting and not self.running and (self.input_done or draining)
 
-    async def batches(self) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def batches(self) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """Everything ready, one message at a time, until the client is done and nothing runs."""
         if self.stopping is not None and self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch_stopping(self.stopping))

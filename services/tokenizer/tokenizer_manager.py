@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -154,7 +154,7 @@ class TokenizerManager:
                 call.pending.remove(s)
         return outs, None
 
-    async def generate(self, req: GenerateInput) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, req: GenerateInput) -> AsyncGenerator[GenerateOutput, None]:
         """One call's outputs as an async stream (a lone Generate call; GenerateStream sessions
         use start / collect / release themselves)."""
         event = asyncio.Event()

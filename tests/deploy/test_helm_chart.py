@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -49,6 +50,7 @@ def test_schema_accepts_matrix_and_rejects_mistakes() -> None:
     with helm.Chart.load(CHART) as chart:
         for name in MATRIX:
             chart.validate_schema(values_of(name))
+        bad: dict[str, Any]
         for bad in ({"scheduler": {"device": "tpu"}},
                     {"scheduler": {"replicas": -1}},
                     {"scheduler": {"gpu": {"resourceKey": "nvidia.com/gpu", "count": 0}}},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 import pytest
@@ -60,7 +61,7 @@ async def collect(call: grpc.aio.UnaryStreamCall, n_finished: int) -> dict[str, 
     while done < n_finished:
         resp = await asyncio.wait_for(call.read(), TIMEOUT)
         assert resp is not grpc.aio.EOF
-        for d in resp.deltas:
+        for d in cast(pb.SubscribeResponse, resp).deltas:  # read()'s stub type is object
             texts[d.rid] = texts.get(d.rid, "") + d.text
             done += d.HasField("finish")
     return texts

@@ -183,8 +183,8 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
         self.calls.append(request)
         prompt, prompt_tokens = prompt_of(request)
         if prompt.startswith("ERR "):
-            _, code, msg = prompt.split(" ", 2)
-            raise _error(code, msg)
+            _, code, detail = prompt.split(" ", 2)
+            raise _error(code, detail)
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
         rids = [request.rid] * n  # the real tokenizer names every sample by the client rid
         plans = [plan_sample(request, prompt, i) for i in range(n)]

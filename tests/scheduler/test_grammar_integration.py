@@ -8,6 +8,7 @@ import random
 import re
 import threading
 import uuid
+from typing import Any
 
 import jsonschema
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
 from services.scheduler.engine import Engine
-from services.scheduler.grammar import GrammarCache, GrammarQueue
+from services.scheduler.grammar import GrammarBackend, GrammarCache, GrammarQueue
 from services.scheduler.req import Req
 from services.scheduler.sampling import SamplingParams
 
@@ -100,8 +101,9 @@ def test_ignore_eos_still_ends_at_the_grammar_end(engine: Engine, tok: TextToken
 @pytest.mark.parametrize("kind,text", [("json_schema", '{"type": "nope"}'), ("regex", "(ab"),
                                        ("ebnf", "root ::= (")])
 def test_invalid_constraint_aborts_with_invalid_argument(engine: Engine, kind: str, text: str) -> None:
+    constraint: dict[str, Any] = {kind: text}
     ok, bad = engine.generate([rand_ids(6, 6)] * 2, [SamplingParams(temperature=0.0, max_new_tokens=4),
-                                                     SamplingParams(max_new_tokens=4, **{kind: text})])
+                                                     SamplingParams(max_new_tokens=4, **constraint)])
     assert ok.finish.type == "length"
     assert bad.finish.type == "abort" and bad.finish.status_code == 3 and not bad.output_ids
     assert bad.finish.message.startswith(f"sampling_params.{kind}: ")
@@ -114,7 +116,7 @@ def test_disabled_backend_refuses_with_unimplemented(engine: Engine, monkeypatch
     assert r.finish.message == "sampling_params.regex: constrained decoding is disabled"
 
 
-class GatedBackend:
+class GatedBackend(GrammarBackend):
     """Wraps a backend; compiling `blocked` waits for the gate (a compile that outlives its timeout)."""
 
     def __init__(self, inner, blocked: str) -> None:

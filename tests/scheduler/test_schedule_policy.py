@@ -15,8 +15,9 @@ from services.scheduler.schedule_policy import PrefillAdder, order_waiting
 
 
 def make_kv(size: int = 1000, rows: int = 8) -> KVManager:
-    pool = TokenToKVPool(size, 1, 1, 2, torch.float32, "cpu")
-    return KVManager(ReqToTokenPool(rows, 512, "cpu"), pool, RadixCache(pool))
+    cpu = torch.device("cpu")
+    pool = TokenToKVPool(size, 1, 1, 2, torch.float32, cpu)
+    return KVManager(ReqToTokenPool(rows, 512, cpu), pool, RadixCache(pool))
 
 
 def req(rid: str, ids: list[int], max_new: int = 10) -> Req:

@@ -211,6 +211,7 @@ def test_a_decode_step_follows_each_prefill_step_while_requests_run(model_dir: s
                                 disable_decode_interleave=not interleave))
         params = greedy(max_new_tokens=12, ignore_eos=True)
         e.submit(Req(rid="r0", origin_input_ids=rand_ids(20, 60), params=params))
+        outs: dict[str, list[int]]
         kinds, outs = "", {}
 
         def step() -> None:

@@ -9,7 +9,7 @@ import pytest
 from ringserve.errors import InvalidArgument, NotFound
 from ringserve.text_tokenizer import ChatTemplateError
 from services.tokenizer.io_struct import ChatInput, GenerateInput, SamplingInput
-from services.tokenizer.validation import Limits, prepare
+from services.tokenizer.validation import Limits, Prepared, prepare
 
 
 @dataclass
@@ -29,7 +29,7 @@ class FakeTok:
 LIMITS = Limits(served_model_name="tiny", max_n=4, max_stop_strings=2, max_stop_len=5, max_top_logprobs=3)
 
 
-def run(**kw) -> object:
+def run(**kw) -> Prepared:
     sampling = kw.pop("sampling", {})
     kw.setdefault("text", "hello")
     return prepare(GenerateInput(sampling=SamplingInput(**sampling), **kw), FakeTok(), LIMITS)

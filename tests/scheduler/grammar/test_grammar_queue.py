@@ -89,7 +89,7 @@ def test_compile_then_cache_hit_at_once(fake: FakeBackend) -> None:
     q = GrammarQueue(fake, GrammarCache())
     q.submit("r1", "regex", "a+")
     (r1,) = wait_poll(q, 1)
-    assert r1.rid == "r1" and r1.error is None and r1.matcher.text == "a+"
+    assert r1.rid == "r1" and r1.error is None and r1.matcher.text == "a+"  # type: ignore[attr-defined]  # a fake
     q.submit("r2", "regex", "a+")
     assert q.has_ready()
     (r2,) = q.poll()  # resolved from the cache: no waiting for a worker
