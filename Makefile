@@ -30,11 +30,17 @@ model: proto
 run: model
 	$(PY) -m ringserve.launcher $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
-test: model
+# lint first: a lint finding fails `make test` (and so CI, which runs `make test`) before any test runs.
+test: lint model
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
+# buf (protos), ruff and mypy (Python; both configured in pyproject.toml). mypy reads the .pyi stubs
+# that `make proto` generates. buf comes through npx; without npx it is skipped, as tests/test_protos.py does.
 lint: proto
-	npx --yes @bufbuild/buf lint protos
+	@if command -v npx >/dev/null; then npx --yes @bufbuild/buf lint protos; \
+	else echo "lint: npx not installed, buf lint skipped"; fi
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 bench: model
 	$(PY) -m bench $(ARGS)
@@ -51,4 +57,4 @@ soak: model
 	RINGSERVE_SOAK_S=$(SOAK_S) $(PY) -m pytest -q -s -m soak tests/resilience/test_soak.py $(PYTEST_ARGS)
 
 clean:
-	rm -rf ringserve/v1 .cache
+	rm -rf ringserve/v1 .cache .mypy_cache .ruff_cache

@@ -54,7 +54,8 @@ def run(w: Workload, base_url: str, model_dir: Path, served_name: str, out_dir: 
     out_file = out_dir / f"bench_serving-{w.name}-{int(time.time() * 1000)}.jsonl"
     cmd = [str(py), str(script), "--backend", backend, "--base-url", base_url, "--model", str(model_dir),
            "--served-model-name", served_name, "--tokenizer", str(model_dir), *w.bench_serving_args(),
-           "--output-file", str(out_file), "--output-details", "--disable-tqdm", "--warmup-requests", "1" if warmup else "0"]
+           "--output-file", str(out_file), "--output-details", "--disable-tqdm",
+           "--warmup-requests", "1" if warmup else "0"]
     if backend == "sglang" and w.dataset == "random-ids":
         # Send token ids, as the gRPC target does: the same prompt lengths, so the two measure the
         # gateway's overhead on the same work (text prompts re-tokenize to ~20% more tokens here).

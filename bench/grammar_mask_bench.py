@@ -27,6 +27,8 @@ def bench(model: str, vocab: int | None, batches: list[int], steps: int) -> None
     width = vocab or cfg["vocab_size"]
     t0 = time.perf_counter()
     backend = load_backend("xgrammar", model, width, tok.eos_token_ids)
+    if backend is None:
+        raise SystemExit("xgrammar is not installed")
     print(f"backend load {time.perf_counter() - t0:.2f}s  vocab(logits width)={width}")
     t0 = time.perf_counter()
     compiled = backend.compile("json_schema", json.dumps(SCHEMA))

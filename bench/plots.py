@@ -22,7 +22,8 @@ def throughput(results: list[RunResult], model: str, path: Path) -> Path | None:
         return None
     wls = list(dict.fromkeys(r.workload for r in rs))
     targets = list(dict.fromkeys(r.target for r in rs))
-    val = {(r.workload, r.target): r.summary["output_throughput"] for r in rs}
+    # `if r.summary` holds for every r after _ok; it is there so that mypy sees the dict is not None
+    val = {(r.workload, r.target): r.summary["output_throughput"] for r in rs if r.summary}
     width = 0.8 / len(targets)
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(wls) + 2), 4))
     for k, t in enumerate(targets):
@@ -46,7 +47,7 @@ def latency_vs_load(results: list[RunResult], model: str, path: Path) -> Path | 
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for t in dict.fromkeys(r.target for r in rs):
-        pts = sorted((r.request_rate, r.summary) for r in rs if r.target == t)
+        pts = sorted((r.request_rate, r.summary) for r in rs if r.target == t and r.summary)  # summary: as above
         rates = [p[0] for p in pts]
         c = COLORS.get(t)
         for ax, key in ((axes[0], "ttft_ms"), (axes[1], "itl_ms")):

@@ -35,7 +35,8 @@ def rows(results: list[RunResult]) -> list[list[str]]:
     out = []
     for r in results:
         if r.summary is None:
-            out.append([r.model, r.workload, r.target, r.status] + ["-"] * 6 + [r.note[:300 if r.status == "ok" else 80].replace("\n", " "), ""])
+            note = r.note[:300 if r.status == "ok" else 80].replace("\n", " ")
+            out.append([r.model, r.workload, r.target, r.status] + ["-"] * 6 + [note, ""])
             continue
         s, v = r.summary, base.get((r.model, r.workload))
         out.append([

@@ -8,12 +8,12 @@ that output means all four are up. Stopping the launcher's process group stops t
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringserve.process import READY_LINE, free_port
-
 from bench.server_proc import Server
+from ringserve.process import READY_LINE, free_port
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Ringserve:
 FAIL_MARKERS = ("Error while finding module specification", "ModuleNotFoundError", "startup stopped:")
 
 
-def start_ringserve(model: Path, timeout: float = 300, extra: list[str] = ()) -> Ringserve:
+def start_ringserve(model: Path, timeout: float = 300, extra: Sequence[str] = ()) -> Ringserve:
     ports = {k: free_port() for k in ("gateway", "tokenizer", "scheduler", "detokenizer")}
     sched_metrics = free_port()
     host = "127.0.0.1"

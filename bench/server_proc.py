@@ -10,9 +10,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ringserve.process import ServiceProcess
-
 from bench.venvs import CACHE, log
+from ringserve.process import ServiceProcess
 
 LOG_DIR = CACHE / "logs"
 
@@ -69,13 +68,14 @@ class Server:
         self.proc = ServiceProcess(name, cmd, env=env, sink=self.watcher)
         self.health_url = health_url
 
-    def start(self, timeout: float) -> "Server":
+    def start(self, timeout: float) -> Server:
         t0 = time.monotonic()
         log(f"starting {self.name} (log: {self.log_path})")
         self.proc.start()
         deadline = t0 + timeout
         while not self.watcher.seen.wait(0.5):
             if not self.proc.alive():
+                assert self.proc.proc is not None  # started above
                 raise RuntimeError(f"{self.name} exited with {self.proc.proc.returncode}; "
                                    f"last output:\n{''.join(list(self.proc.tail)[-20:])}")
             if time.monotonic() > deadline:
@@ -90,6 +90,7 @@ class Server:
     def _confirm_health(self, deadline: float) -> None:
         """GET the health URL until 200. uvicorn logs "Application startup complete" just before it
         binds the socket, so the first tries may be refused; this is bounded by the start deadline."""
+        assert self.health_url is not None  # called only when there is one
         last: Exception | None = None
         while time.monotonic() < deadline and self.proc.alive():
             try:
@@ -120,7 +121,7 @@ class Server:
         self.watcher.flush()
         log(f"{self.name} stopped")
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc: object) -> None:

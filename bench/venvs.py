@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +18,7 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def ensure_venv(name: str, packages: list[str], uninstall: list[str] = ()) -> Path:
+def ensure_venv(name: str, packages: list[str], uninstall: Sequence[str] = ()) -> Path:
     """Python of .cache/bench/<name> with `packages` installed (then `uninstall` removed)."""
     venv = CACHE / name
     py = venv / "bin" / "python"

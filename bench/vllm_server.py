@@ -7,12 +7,12 @@ removed after install.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-
-from ringserve.process import free_port
 
 from bench.server_proc import Server
 from bench.venvs import ensure_venv
+from ringserve.process import free_port
 
 VLLM_VERSION = "0.32.0"
 READY_MARKER = "Application startup complete"
@@ -24,7 +24,7 @@ def vllm_python() -> Path:
 
 
 def start_vllm(model: Path, served_name: str, kv_cache_gib: int = 2, timeout: float = 600,
-               extra: list[str] = ()) -> tuple[Server, str]:
+               extra: Sequence[str] = ()) -> tuple[Server, str]:
     """Start vLLM's OpenAI server on a free port; returns (server, base URL)."""
     py = vllm_python()
     port = free_port()

@@ -53,7 +53,7 @@ def _items(body: GenerateReqInput) -> tuple[list[_Item], bool]:
     else:
         ids = body.input_ids or []
         is_batch = bool(ids) and isinstance(ids[0], list)
-        prompts = list(ids) if is_batch else [ids]  # type: ignore[list-item]
+        prompts = list(ids) if is_batch else [ids]  # type: ignore[arg-type,list-item]
     if not prompts:
         raise GatewayError(400, "text: empty batch", param="text")
     items = []

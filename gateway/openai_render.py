@@ -10,13 +10,21 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from gateway.convert import chat_logprobs, echo_logprobs, finish_error, matched
 from gateway.errors import GatewayError
-from gateway.protocol import (AssistantMessage, ChatChoice, ChatCompletionResponse, ChoiceLogprobs,
-                              CompletionChoice, CompletionLogprobs, CompletionResponse,
-                              PromptTokensDetails, Usage)
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
 from gateway.streams import Sample, merge
 from ringserve.v1 import api_pb2 as pb
 
@@ -56,13 +64,13 @@ class UsageCounter:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached.values())))
 
 
-def _finish(spec: RenderSpec, sample: Sample) -> str:
+def _finish(spec: RenderSpec, sample: Sample) -> Literal["stop", "length"]:
     fr = sample.finish
     if not sample.finished:
         raise GatewayError(502, "the tokenizer ended the stream before the request finished", "server_error")
     if fr.type not in ("stop", "length"):
         raise finish_error(fr, spec.param_map)
-    return fr.type
+    return cast(Literal["stop", "length"], fr.type)  # checked just above
 
 
 def render_full(spec: RenderSpec, results: list[dict[int, Sample]]) -> CompletionResponse | ChatCompletionResponse:
@@ -83,9 +91,9 @@ def render_full(spec: RenderSpec, results: list[dict[int, Sample]]) -> Completio
                                                logprobs=lp, finish_reason=reason, matched_stop=matched(s.finish)))
             else:
                 echo = spec.echo[pi] if spec.echo else ""
-                lp = (CompletionLogprobs(**echo_logprobs(s.input_logprobs, s.logprobs, len(echo)))
-                      if spec.logprobs else None)
-                completion_choices.append(CompletionChoice(index=index, text=echo + s.text, logprobs=lp,
+                clp = (CompletionLogprobs(**echo_logprobs(s.input_logprobs, s.logprobs, len(echo)))
+                       if spec.logprobs else None)
+                completion_choices.append(CompletionChoice(index=index, text=echo + s.text, logprobs=clp,
                                                            finish_reason=reason, matched_stop=matched(s.finish)))
     if spec.chat:
         return ChatCompletionResponse(id=spec.rid, created=spec.created, model=spec.model,

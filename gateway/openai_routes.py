@@ -9,12 +9,26 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.convert import (CHAT_PARAMS, OPENAI_PARAMS, chat_input, openai_param_map, sampling_from_openai,
-                             set_prompt, split_prompt)
+from gateway.convert import (
+    CHAT_PARAMS,
+    OPENAI_PARAMS,
+    chat_input,
+    openai_param_map,
+    sampling_from_openai,
+    set_prompt,
+    split_prompt,
+)
 from gateway.errors import GatewayError
 from gateway.openai_render import RenderSpec, render_full, render_stream
-from gateway.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                              CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from gateway.sse import prime, sse_response
 from gateway.state import GatewayState, get_state
 from gateway.streams import cancel_on_disconnect, collect

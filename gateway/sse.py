@@ -7,11 +7,11 @@ APIError on it; SGLang's do the same).
 
 from __future__ import annotations
 
-import orjson
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+import orjson
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 

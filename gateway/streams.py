@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -51,7 +51,7 @@ def append_output(into: Sample | pb.GenerateResponse, msg: pb.GenerateResponse) 
     into.finished = into.finished or msg.finished
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items of several streams as they arrive, tagged with the stream's position.
 
     Closing this generator (client gone) cancels every pending read, which closes the

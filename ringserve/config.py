@@ -13,10 +13,14 @@ import argparse
 import dataclasses
 import os
 import typing
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ENV_PREFIX = "RINGSERVE_"
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def env_name(field: str) -> str:
@@ -48,8 +52,12 @@ def _convert(raw: str, tp: Any) -> Any:
     return base(raw)
 
 
+def _converter(tp: Any) -> Callable[[str], Any]:
+    return lambda s: _convert(s, tp)
+
+
 def parse_config(cls: type[T], argv: list[str] | None = None, description: str | None = None,
-                 env: dict[str, str] | None = None) -> T:
+                 env: Mapping[str, str] | None = None) -> T:
     """Parse flags and environment into an instance of the frozen dataclass `cls`."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
@@ -63,7 +71,7 @@ def parse_config(cls: type[T], argv: list[str] | None = None, description: str |
         elif _scalar_type(tp) is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, type=lambda s, tp=tp: _convert(s, tp), help=help_text)
+            parser.add_argument(flag, dest=f.name, type=_converter(tp), help=help_text)
     ns = parser.parse_args(argv)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -61,16 +61,24 @@ def wait_grpc_serving(target: str, timeout: float, service: str = "",
                 # The server went away mid-watch (restart): wait_for_ready waits for the next one.
 
 
+class TextSink(Protocol):
+    """Where a ServiceProcess copies its child's output: a text stream, or anything with these two."""
+
+    def write(self, text: str, /) -> object: ...
+
+    def flush(self) -> object: ...
+
+
 class ServiceProcess:
     """A child process whose output is copied, line by line with a prefix, to `sink`."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
-                 sink: IO[str] | None = None, cwd: Path = ROOT, cpus: frozenset[int] | None = None) -> None:
+                 sink: TextSink | None = None, cwd: Path = ROOT, cpus: frozenset[int] | None = None) -> None:
         self.name = name
         self.cpus = cpus  # pin the process to these cores (None: wherever the OS puts it)
         self.cmd = cmd
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.sink = sink if sink is not None else sys.stdout
+        self.sink: TextSink = sink if sink is not None else sys.stdout
         self.cwd = cwd
         self.proc: subprocess.Popen[str] | None = None
         self.tail: deque[str] = deque(maxlen=2000)
@@ -79,7 +87,7 @@ class ServiceProcess:
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         self._ready.clear()
         self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,

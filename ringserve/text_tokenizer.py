@@ -74,7 +74,7 @@ class TextTokenizer:
     special_ids: frozenset[int] = field(default_factory=frozenset)
 
     @classmethod
-    def from_model(cls, model: str) -> "TextTokenizer":
+    def from_model(cls, model: str) -> TextTokenizer:
         model_dir = resolve_model_dir(model)
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tcfg = _read_json(model_dir / "tokenizer_config.json")
@@ -90,8 +90,8 @@ class TextTokenizer:
             template = _read_json(model_dir / "chat_template.json").get("chat_template")
         eos_token = _token_str(tcfg.get("eos_token"))
         eos_ids = _as_list(gen.get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
-        if not eos_ids and eos_token is not None and tok.token_to_id(eos_token) is not None:
-            eos_ids = [tok.token_to_id(eos_token)]
+        if not eos_ids and eos_token is not None and (eos_id := tok.token_to_id(eos_token)) is not None:
+            eos_ids = [eos_id]
         text_cfg = cfg.get("text_config", cfg)
         context = int(text_cfg.get("max_position_embeddings") or tcfg.get("model_max_length") or 2048)
         special = frozenset(t.id for t in _added_tokens(tok) if t.special)

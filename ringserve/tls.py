@@ -60,7 +60,7 @@ class TlsConfig:
                 raise ValueError(f"--{name.replace('_', '-')}: no such file {path!r}")
 
     @property
-    def tls(self) -> "TlsConfig":
+    def tls(self) -> TlsConfig:
         """Just the TLS fields (service configs inherit this class and carry more)."""
         return TlsConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TlsConfig)})
 

@@ -10,10 +10,10 @@ import time
 
 from ringserve import tls
 from ringserve.grpc_server import GrpcService
+from ringserve.message import TokenDelta
 from ringserve.metrics_http import start_metrics_server
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerServerConfig
-from ringserve.message import TokenDelta
 from services.scheduler.core.engine import Engine
 from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.rpc.metrics import SchedulerMetrics

@@ -42,13 +42,14 @@ class TokenizerConfig(TlsConfig):
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
     max_stop_len: int = field(default=256, metadata={"help": "longest stop string (characters)"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs_num"})
-    detokenizer_grace_s: float = field(default=30.0,
-                                       metadata={"help": "fail in-flight requests after this long without a detokenizer"})
+    detokenizer_grace_s: float = field(
+        default=30.0, metadata={"help": "fail in-flight requests after this long without a detokenizer"})
     max_pending_requests: int = field(default=4096,
                                       metadata={"help": "most live internal requests; more get RESOURCE_EXHAUSTED"})
     cache_threshold: float = field(default=0.5, metadata={"help": "cache_aware: least prefix match ratio to follow"})
     balance_abs_threshold: int = field(default=32, metadata={"help": "cache_aware: load gap that forces least_load"})
-    balance_rel_threshold: float = field(default=1.5, metadata={"help": "cache_aware: load ratio that forces least_load"})
+    balance_rel_threshold: float = field(default=1.5,
+                                         metadata={"help": "cache_aware: load ratio that forces least_load"})
     prefix_tree_max_tokens: int = field(default=200_000,
                                         metadata={"help": "cache_aware: tree size bound (tokens, all schedulers)"})
     drain_grace_s: float = field(default=30.0, metadata={"help": "SIGTERM: let in-flight calls finish this long"})

@@ -185,7 +185,7 @@ class GenerateSession:
         draining = self.stopping is not None and self.stopping.is_set()
         return not self.starting and not self.running and (self.input_done or draining)
 
-    async def batches(self) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def batches(self) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """Everything ready, one message at a time, until the client is done and nothing runs."""
         if self.stopping is not None and self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch_stopping(self.stopping))

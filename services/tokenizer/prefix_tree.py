@@ -19,7 +19,7 @@ from typing import NamedTuple
 class _Node:
     __slots__ = ("token", "parent", "children", "tenants")
 
-    def __init__(self, token: int, parent: "_Node | None") -> None:
+    def __init__(self, token: int, parent: _Node | None) -> None:
         self.token = token
         self.parent = parent
         self.children: dict[int, _Node] = {}

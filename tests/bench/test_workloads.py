@@ -48,7 +48,7 @@ def test_repeats_and_targets_on_one_server_draw_distinct_prompts() -> None:
     from pathlib import Path
 
     from bench.stats import RequestRecord
-    from bench.targets import _measure
+    from bench.targets import RunResult, _measure
 
     seeds: list[int] = []
     warmups: list[bool] = []
@@ -58,7 +58,7 @@ def test_repeats_and_targets_on_one_server_draw_distinct_prompts() -> None:
         warmups.append(warm)
         return [RequestRecord(ok=True, prompt_len=1, output_len=1, ttft=0.1, e2e=0.1)], 1.0
 
-    emitted = []
+    emitted: list[RunResult] = []
     for target in ("gateway", "native"):
         for w in workloads(False):
             _measure(target, Path("m"), w, fake_run, emitted.append, repeats=3)

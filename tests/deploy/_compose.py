@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from graphlib import TopologicalSorter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -29,7 +29,7 @@ class ComposeLoader(yaml.SafeLoader):
 ComposeLoader.add_constructor("!reset", lambda loader, node: _Reset())
 ComposeLoader.add_constructor("!override", lambda loader, node: (
     loader.construct_mapping(node, deep=True) if isinstance(node, yaml.MappingNode)
-    else loader.construct_sequence(node, deep=True)))
+    else loader.construct_sequence(cast(yaml.SequenceNode, node), deep=True)))
 
 
 def load(path: Path) -> dict[str, Any]:

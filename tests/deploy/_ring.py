@@ -56,7 +56,7 @@ class LocalService:
     ports: list[int]  # container ports it listens on (its own --port and --metrics-port)
     kind: str  # "grpc" (health Watch) or "http" (ready line)
     serve_port: int  # the port its health check targets
-    health: Callable[["PortMap"], None] = field(repr=False, default=lambda pm: None)
+    health: Callable[[PortMap], None] = field(repr=False, default=lambda pm: None)
 
 
 @dataclass
@@ -151,7 +151,8 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 
 @contextmanager
-def running(services: list[LocalService], pm: PortMap, model_dir: str, hf_home: str) -> Iterator[dict[str, ServiceProcess]]:
+def running(services: list[LocalService], pm: PortMap, model_dir: str,
+            hf_home: str) -> Iterator[dict[str, ServiceProcess]]:
     """Start `services` in the given order, each gated on readiness and its own health check."""
     procs: dict[str, ServiceProcess] = {}
     try:

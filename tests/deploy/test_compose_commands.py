@@ -10,9 +10,18 @@ from pathlib import Path
 import pytest
 
 from tests.deploy import _compose as compose
-from tests.deploy._ring import (LocalService, PortMap, env_for_interpolation, generate_through_gateway,
-                                hf_home_dir, localize_health_cmd, run_health_cmd, running,
-                                skip_unless_services_exist, with_tls_dir)
+from tests.deploy._ring import (
+    LocalService,
+    PortMap,
+    env_for_interpolation,
+    generate_through_gateway,
+    hf_home_dir,
+    localize_health_cmd,
+    run_health_cmd,
+    running,
+    skip_unless_services_exist,
+    with_tls_dir,
+)
 
 
 def local_services(model_dir: str, tls_dir: Path | None = None) -> tuple[list[LocalService], PortMap]:

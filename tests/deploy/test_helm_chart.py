@@ -11,13 +11,30 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 # helm: helm-python-sdk, or the module is skipped; case: the values-matrix fixture (one rendered case per file)
-from tests.deploy._helm import (CHART, GRPC_COMPONENTS, K8S_VERSIONS, MATRIX, NAMESPACE, RELEASE, ROOT, arg,  # noqa: F401
-                                by_kind, case, component, container, deployments, helm, render, values_of)
+from tests.deploy._helm import (  # noqa: F401
+    CHART,
+    GRPC_COMPONENTS,
+    K8S_VERSIONS,
+    MATRIX,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    arg,
+    by_kind,
+    case,
+    component,
+    container,
+    deployments,
+    helm,
+    render,
+    values_of,
+)
 
 
 def test_lint_strict_every_case() -> None:
@@ -33,6 +50,7 @@ def test_schema_accepts_matrix_and_rejects_mistakes() -> None:
     with helm.Chart.load(CHART) as chart:
         for name in MATRIX:
             chart.validate_schema(values_of(name))
+        bad: dict[str, Any]
         for bad in ({"scheduler": {"device": "tpu"}},
                     {"scheduler": {"replicas": -1}},
                     {"scheduler": {"gpu": {"resourceKey": "nvidia.com/gpu", "count": 0}}},

@@ -14,8 +14,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy._ring import (LocalService, PortMap, generate_through_gateway, hf_home_dir, run_health_cmd,
-                                running, skip_unless_services_exist, with_tls_dir)
+from tests.deploy._ring import (
+    LocalService,
+    PortMap,
+    generate_through_gateway,
+    hf_home_dir,
+    run_health_cmd,
+    running,
+    skip_unless_services_exist,
+    with_tls_dir,
+)
 
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (requirements-dev.txt)")
 

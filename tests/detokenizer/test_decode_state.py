@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from conftest import TEXTS, run_request, split  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -9,8 +10,6 @@ from ringserve.message import DecodeParams, SamplingParams
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.decode_state import MAX_WINDOW
 from services.detokenizer.detokenizer import Detokenizer
-
-from conftest import TEXTS, run_request, split  # type: ignore[import-not-found]
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 sizes_st = st.lists(st.integers(1, 5), min_size=1, max_size=8)

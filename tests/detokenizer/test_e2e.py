@@ -8,12 +8,12 @@ import urllib.request
 
 import grpc
 import pytest
+from test_servicer import PushStream, collect, delta  # type: ignore[import-not-found]
 
 from ringserve.process import ServiceProcess, free_port, python_cmd
 from ringserve.text_tokenizer import TextTokenizer
-from ringserve.v1 import detokenizer_pb2 as pb, detokenizer_pb2_grpc
-
-from test_servicer import PushStream, collect, delta  # type: ignore[import-not-found]
+from ringserve.v1 import detokenizer_pb2 as pb
+from ringserve.v1 import detokenizer_pb2_grpc
 
 
 @pytest.mark.e2e

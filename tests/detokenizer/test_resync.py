@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from conftest import TEXTS, split  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringserve.message import DecodeParams, Finish, SamplingParams, StepBatch, TextDelta, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
-
-from conftest import TEXTS, split  # type: ignore[import-not-found]
 
 
 class Client:

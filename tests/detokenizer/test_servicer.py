@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 import pytest
@@ -11,7 +12,8 @@ import pytest
 from ringserve.errors import ErrorInterceptor
 from ringserve.message import SamplingParams
 from ringserve.text_tokenizer import TextTokenizer
-from ringserve.v1 import common_pb2, detokenizer_pb2 as pb, detokenizer_pb2_grpc
+from ringserve.v1 import common_pb2, detokenizer_pb2_grpc
+from ringserve.v1 import detokenizer_pb2 as pb
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.server import build_servicer
 
@@ -61,7 +63,7 @@ async def collect(call: grpc.aio.UnaryStreamCall, n_finished: int) -> dict[str, 
     while done < n_finished:
         resp = await asyncio.wait_for(call.read(), TIMEOUT)
         assert resp is not grpc.aio.EOF
-        for d in resp.deltas:
+        for d in cast(pb.SubscribeResponse, resp).deltas:  # read()'s stub type is object
             texts[d.rid] = texts.get(d.rid, "") + d.text
             done += d.HasField("finish")
     return texts

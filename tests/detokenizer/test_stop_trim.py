@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from conftest import run_request, split  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -9,8 +10,6 @@ from ringserve.message import DecodeParams, Finish, SamplingParams, TextDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
 from services.detokenizer.stop_trim import StopTrimmer, held_suffix_len
-
-from conftest import run_request, split  # type: ignore[import-not-found]
 
 
 def scheduler_stop(tok: TextTokenizer, ids: list[int], stops: list[str]) -> tuple[list[int], Finish, str]:

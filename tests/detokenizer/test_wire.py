@@ -7,7 +7,8 @@ import grpc
 
 from ringserve.message import DecodeParams, Finish, SamplingParams
 from ringserve.text_tokenizer import TextTokenizer
-from ringserve.v1 import common_pb2, detokenizer_pb2 as pb
+from ringserve.v1 import common_pb2
+from ringserve.v1 import detokenizer_pb2 as pb
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.server import build_servicer
 

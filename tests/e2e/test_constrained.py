@@ -165,7 +165,7 @@ def test_json_schemas(stack: Stack) -> None:
             "seed": 1000 + i}})
     outs = generate_all(stack, bodies)
     stopped = 0
-    for i, (body, out) in enumerate(zip(bodies, outs)):
+    for i, (_body, out) in enumerate(zip(bodies, outs)):
         reason = out["meta_info"]["finish_reason"]["type"]
         assert reason in ("stop", "length"), (i, out["meta_info"])
         if reason == "stop":
@@ -248,14 +248,14 @@ def test_bad_constraints_are_400s_naming_the_field(stack: Stack, client) -> None
             assert err["message"].startswith(f"sampling_params.{kind}: ") and kind in err["param"], err
             with pytest.raises(openai.BadRequestError) as e:
                 client.completions.create(model=model, prompt="x", max_tokens=8, extra_body={kind: text})
-            assert e.value.body["param"] == kind, e.value.body
+            assert e.value.body["param"] == kind, e.value.body  # type: ignore[index]  # APIError.body is typed object
         bad_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as e:
                 out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
                                                      response_format=bad_format, max_tokens=8, stream=stream)
                 list(out) if stream else None
-            assert e.value.body["param"] == "response_format", e.value.body
+            assert e.value.body["param"] == "response_format", e.value.body  # type: ignore[index]  # APIError.body is typed object
         done = busy.result(timeout=120)
     assert done["meta_info"]["finish_reason"]["type"] == "length" and done["meta_info"]["completion_tokens"] == 200
 

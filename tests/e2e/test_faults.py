@@ -8,8 +8,8 @@ import threading
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ringserve.process import wait_grpc_serving
 from ringserve.text_tokenizer import TextTokenizer

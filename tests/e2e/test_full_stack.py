@@ -7,6 +7,7 @@ import queue
 import re
 import threading
 import time
+from typing import Any
 
 import grpc
 import httpx
@@ -44,7 +45,7 @@ def test_openai_client_stream_equals_non_stream(stack: Stack) -> None:
 
     client = OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none")
     model = client.models.list().data[0].id
-    kwargs = dict(model=model, prompt="Hello there", max_tokens=24, temperature=0)
+    kwargs: dict[str, Any] = dict(model=model, prompt="Hello there", max_tokens=24, temperature=0)
     full = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -70,7 +71,7 @@ def test_echo_logprobs_score_the_prompt_as_transformers_does(stack: Stack, model
     model = client.models.list().data[0].id
     stack.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})  # now the prompt is cached
     for stream in (False, True):
-        kw = dict(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+        kw: dict[str, Any] = dict(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
         if stream:
             parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
             lps = [x for p in parts for x in p.token_logprobs]
@@ -127,7 +128,8 @@ def test_generate_stream_carries_many_generations_on_one_call(stack: Stack, mode
     reference = greedy_reference(model_dir, PROMPTS, 16)
 
     def generate(rid: str, text: str, n: int, **sp: float) -> api_pb2.GenerateStreamRequest:
-        params = common_pb2.SamplingParams(**{"temperature": 0.0, "max_new_tokens": n, "min_new_tokens": n, **sp})
+        fields: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": n, "min_new_tokens": n, **sp}
+        params = common_pb2.SamplingParams(**fields)
         return api_pb2.GenerateStreamRequest(generate=api_pb2.GenerateRequest(
             rid=rid, text=text, stream=True, sampling_params=params))
 

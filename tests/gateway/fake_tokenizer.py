@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import math
-from contextlib import aclosing
 import threading
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.tokenizer.generate_session import GenerateSession
-from services.tokenizer.request_state import Wakeup
-
 from ringserve.errors import ServiceError
 from ringserve.v1 import api_pb2 as pb
-from ringserve.v1 import api_pb2_grpc
-from ringserve.v1 import common_pb2
+from ringserve.v1 import api_pb2_grpc, common_pb2
+from services.tokenizer.generate_session import GenerateSession
+from services.tokenizer.request_state import Wakeup
 
 WORDS = ["Hello", " world", ",", " héllo", " ✓", " the", " end", "."]
 MODEL = "fake-model"
@@ -185,8 +183,8 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
         self.calls.append(request)
         prompt, prompt_tokens = prompt_of(request)
         if prompt.startswith("ERR "):
-            _, code, msg = prompt.split(" ", 2)
-            raise _error(code, msg)
+            _, code, detail = prompt.split(" ", 2)
+            raise _error(code, detail)
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
         rids = [request.rid] * n  # the real tokenizer names every sample by the client rid
         plans = [plan_sample(request, prompt, i) for i in range(n)]
@@ -289,7 +287,7 @@ class FakeTokenizer:
         await self._server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
-    def start(self) -> "FakeTokenizer":
+    def start(self) -> FakeTokenizer:
         self._thread.start()
         self._call(self._start())
         return self

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
 
-from ringserve.v1 import api_pb2 as pb
 from gateway.multiplex import Inbox
+from ringserve.v1 import api_pb2 as pb
 from tests.gateway.conftest import start_gateway
 from tests.gateway.fake_tokenizer import MODEL, FakeTokenizer
 
@@ -37,7 +38,7 @@ def gateways(fake: FakeTokenizer) -> Iterator[dict[int, str]]:
 
 def _ask(url: str, i: int) -> tuple[list[str], list[str]]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=10)
-    kwargs = dict(model=MODEL, prompt=f"prompt {i}", max_tokens=3 + i % 5, n=1 + i % 2, seed=i)
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt=f"prompt {i}", max_tokens=3 + i % 5, n=1 + i % 2, seed=i)
     full = client.completions.create(**kwargs)
     streamed = [""] * len(full.choices)
     for chunk in client.completions.create(**kwargs, stream=True):
@@ -59,7 +60,8 @@ def test_errors_keep_their_status_on_both_paths(gateways: dict[int, str]) -> Non
     for url in gateways.values():
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=10)
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=MODEL, prompt="ERR INVALID_ARGUMENT sampling_params.max_new_tokens: too big")
-        assert e.value.body["param"] == "max_tokens"
+            client.completions.create(model=MODEL,
+                                      prompt="ERR INVALID_ARGUMENT sampling_params.max_new_tokens: too big")
+        assert e.value.body["param"] == "max_tokens"  # type: ignore[index]  # APIError.body is typed object
         with pytest.raises(openai.APIError):
             list(client.completions.create(model=MODEL, prompt="MIDERR UNAVAILABLE gone", stream=True))

@@ -72,7 +72,8 @@ def test_generate_stream_format(http: httpx.Client) -> None:
     for e in map(json.loads, events[:-1]):
         prev = last.get(e["index"])
         if prev is not None:
-            assert e["text"].startswith(prev["text"]) and e["meta_info"]["completion_tokens"] > prev["meta_info"]["completion_tokens"]
+            assert (e["text"].startswith(prev["text"])
+                    and e["meta_info"]["completion_tokens"] > prev["meta_info"]["completion_tokens"])
         last[e["index"]] = e
     assert sorted(last) == [0, 1, 2, 3]
     assert [last[i]["text"] for i in range(4)] == [o["text"] for o in full]
@@ -110,7 +111,8 @@ def test_auth_and_public_routes(gateway: str, fake: FakeTokenizer) -> None:
     r = httpx.post(gateway + "/generate", json={"text": "hi"}, headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.post(gateway + "/generate", content=b"{", headers={"Authorization": "x"}).status_code == 401
-    assert httpx.post(gateway + "/generate", json={"text": "hi"}, headers={"Authorization": API_KEYS[1]}).status_code == 200
+    assert httpx.post(gateway + "/generate", json={"text": "hi"},
+                      headers={"Authorization": API_KEYS[1]}).status_code == 200
     assert httpx.get(gateway + "/health").status_code == 200
     fake.set_serving(False)
     r = httpx.get(gateway + "/health")
@@ -138,7 +140,8 @@ def test_metrics(http: httpx.Client) -> None:
     http.get("/v1/models")
     http.get("/v1/models/unknown")
     text = http.get("/metrics").text
-    assert f'ringserve_gateway_http_requests_total{{method="GET",model_name="{MODEL}",route="/v1/models",status="200"}}' in text
+    assert (f'ringserve_gateway_http_requests_total{{method="GET",model_name="{MODEL}",route="/v1/models",'
+            'status="200"}' in text)
     assert 'route="/v1/models/{model_id:path}",status="404"' in text
     assert "ringserve_gateway_http_request_duration_seconds_bucket" in text
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.gateway.fake_tokenizer import MODEL, FakeTokenizer
 
-MSG = [{"role": "user", "content": "hi"}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 def test_completion_plain(client: openai.OpenAI, fake: FakeTokenizer) -> None:
@@ -23,7 +26,7 @@ def test_completion_plain(client: openai.OpenAI, fake: FakeTokenizer) -> None:
 
 
 def test_completion_stream_equals_plain(client: openai.OpenAI) -> None:
-    kw = dict(model=MODEL, prompt=["a b", "c"], max_tokens=5, n=2, stop=[" the"])
+    kw: dict[str, Any] = dict(model=MODEL, prompt=["a b", "c"], max_tokens=5, n=2, stop=[" the"])
     full = client.completions.create(**kw)
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     texts: dict[int, str] = {}
@@ -44,7 +47,7 @@ def test_completion_stream_equals_plain(client: openai.OpenAI) -> None:
 def test_completion_token_prompts_echo_logprobs(client: openai.OpenAI, fake: FakeTokenizer) -> None:
     # Echo with logprobs scores the prompt too, as lm-eval's loglikelihood expects: prompt tokens
     # first (the first one null), then the output's, offsets across the whole echoed text.
-    kw = dict(model=MODEL, prompt=[[5, 6], [7]], max_tokens=3, echo=True, logprobs=2)
+    kw: dict[str, Any] = dict(model=MODEL, prompt=[[5, 6], [7]], max_tokens=3, echo=True, logprobs=2)
     r = client.completions.create(**kw)
     assert fake.servicer.calls[-1].logprob_start_len == 0
     assert r.choices[0].text.startswith("<5><6>") and r.choices[1].text.startswith("<7>")
@@ -62,7 +65,7 @@ def test_completion_token_prompts_echo_logprobs(client: openai.OpenAI, fake: Fak
 
 
 def test_chat_plain_and_stream(client: openai.OpenAI, fake: FakeTokenizer) -> None:
-    msgs = [{"role": "system", "content": "be brief"},
+    msgs: list[ChatCompletionMessageParam] = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
     full = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=4, logprobs=True,
                                           top_logprobs=2)
@@ -101,7 +104,8 @@ def test_models(client: openai.OpenAI) -> None:
     ("ERR NOT_FOUND no such model", openai.NotFoundError, None),
 ])
 @pytest.mark.parametrize("stream", [False, True])
-def test_backend_errors(client: openai.OpenAI, prompt: str, exc: type, param: str | None, stream: bool) -> None:
+def test_backend_errors(client: openai.OpenAI, prompt: str, exc: type[openai.APIStatusError], param: str | None,
+                        stream: bool) -> None:
     with pytest.raises(exc) as info:
         r = client.completions.create(model=MODEL, prompt=prompt, stream=stream)
         list(r) if stream else None
@@ -117,15 +121,15 @@ def test_request_errors(client: openai.OpenAI) -> None:
         client.completions.create(model="other-model", prompt="x")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", best_of=2)
-    assert e.value.body["param"] == "best_of"
+    assert e.value.body["param"] == "best_of"  # type: ignore[index]  # APIError.body is typed object
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=MSG, temperature="hot")  # type: ignore[arg-type]
-    assert e.value.body["param"] == "temperature"
+        client.chat.completions.create(model=MODEL, messages=MSG, temperature="hot")  # type: ignore[call-overload]
+    assert e.value.body["param"] == "temperature"  # type: ignore[index]  # APIError.body is typed object
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[])
-    with pytest.raises(openai.APIStatusError) as e:  # a clean abort is an error, never a finish_reason
+    with pytest.raises(openai.APIStatusError) as aborted:  # a clean abort is an error, never a finish_reason
         client.completions.create(model=MODEL, prompt="ABORT")
-    assert e.value.status_code == 499
+    assert aborted.value.status_code == 499
 
 
 def test_mid_stream_error_is_an_event(client: openai.OpenAI) -> None:

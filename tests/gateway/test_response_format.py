@@ -8,14 +8,15 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.convert import JSON_OBJECT_SCHEMA, OPENAI_PARAMS, openai_param_map, sampling_from_openai
 from gateway.errors import GatewayError
 from gateway.protocol import ChatCompletionRequest
 from tests.gateway.fake_tokenizer import MODEL, FakeTokenizer
 
-MSG = [{"role": "user", "content": "hi"}]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+SCHEMA: dict[str, object] = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name"]}
 
 
@@ -71,13 +72,13 @@ def test_rejected_schema_is_blamed_on_response_format(client: openai.OpenAI) -> 
             model=MODEL, messages=[{"role": "user", "content":
                                     "ERR INVALID_ARGUMENT sampling_params.json_schema: Unsupported type \"nope\""}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
-    assert e.value.body["param"] == "response_format"
-    assert "Unsupported type" in e.value.body["message"]
+    assert e.value.body["param"] == "response_format"  # type: ignore[index]  # APIError.body is typed object
+    assert "Unsupported type" in e.value.body["message"]  # type: ignore[index]  # APIError.body is typed object
     # The same error for a raw json_schema extra is blamed on json_schema.
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="ERR INVALID_ARGUMENT sampling_params.json_schema: bad",
                                   extra_body={"json_schema": "{}"})
-    assert e.value.body["param"] == "json_schema"
+    assert e.value.body["param"] == "json_schema"  # type: ignore[index]  # APIError.body is typed object
 
 
 def test_native_generate_passes_constraints(http: httpx.Client, fake: FakeTokenizer) -> None:

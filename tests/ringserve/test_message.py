@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from hypothesis import given, strategies as st
-
 import grpc
+from hypothesis import given
+from hypothesis import strategies as st
 
-from ringserve.message import (DecodeParams, Finish, Load, Logprob, SamplingParams, StepBatch, TextDelta,
-                               Timings, TokenDelta, TokenizedReq)
+from ringserve.message import (
+    DecodeParams,
+    Finish,
+    Load,
+    Logprob,
+    SamplingParams,
+    StepBatch,
+    TextDelta,
+    Timings,
+    TokenDelta,
+    TokenizedReq,
+)
 from ringserve.v1 import common_pb2, detokenizer_pb2
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.targets import parse_scheduler_bench
 from bench import engine_bench as bench
+from bench.targets import parse_scheduler_bench
 
 
 def test_generate_batch_gets_a_cache_sized_to_the_workload() -> None:

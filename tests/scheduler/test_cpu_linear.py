@@ -28,7 +28,7 @@ def test_pack_linears_swaps_float32_cpu_linears_only() -> None:
     x = torch.randn(10, 8)
     want = model[2](model[1](model[0](x)))
     assert cpu_linear.pack_linears(model) == 2
-    assert isinstance(model[0], cpu_linear.PackedLinear) and isinstance(model[2][0], cpu_linear.PackedLinear)
+    assert isinstance(model[0], cpu_linear.PackedLinear) and isinstance(model[2][0], cpu_linear.PackedLinear)  # type: ignore[index]
     assert isinstance(model[3], nn.Linear)  # float64 stays as it was
     torch.testing.assert_close(model[2](model[1](model[0](x))), want, rtol=1e-5, atol=1e-5)
     # The weights are the same tensors (loaders and the state dict still see them).

@@ -28,7 +28,9 @@ class Seq:
 
 
 def make_batch(seqs: list[Seq], mode: ForwardMode, new: list[int], device: torch.device) -> ForwardBatch:
-    ids, pos, locs = [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    locs: list[torch.Tensor] = []
     for s, n in zip(seqs, new):
         locs.append(s.reserve(n))
         ids += s.ids[s.cached:s.cached + n]
@@ -50,6 +52,7 @@ def run_steps(runner: ModelRunner, prompts: list[list[int]], steps: int,
     seqs = [Seq(runner, p) for p in prompts]
     fwd = runner.forward_eager if eager else runner.forward
     logits = fwd(make_batch(seqs, ForwardMode.EXTEND, [len(p) for p in prompts], dev))
+    toks: list[list[int]]
     all_logits, toks = [logits.float().cpu()], [[] for _ in prompts]
     for _ in range(steps):
         for s, o, t in zip(seqs, toks, logits.argmax(-1).tolist()):

@@ -11,8 +11,8 @@ import torch
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
-from services.scheduler.kernels.cpu_linear import PackedLinear
 from services.scheduler.core.engine import Engine
+from services.scheduler.kernels.cpu_linear import PackedLinear
 from services.scheduler.model_executor.sampling import SamplingParams
 
 MAX_NEW = 20
@@ -58,8 +58,8 @@ def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     with torch.no_grad():
         # Prompts of equal length batch without padding, so nothing but the math can differ.
         for n, rows in by_len.items():
-            ids = torch.tensor([prompts[i] for i in rows])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            batch = torch.tensor([prompts[i] for i in rows])
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
                                  max_new_tokens=MAX_NEW, eos_token_id=sorted(eos), pad_token_id=0)
             for i, seq in zip(rows, out[:, n:].tolist()):
                 # A finished row keeps going with padding in a batch: cut after its EOS.

@@ -9,15 +9,15 @@ import re
 import threading
 import uuid
 
-import jsonschema
 import grpc
+import jsonschema
 import pytest
 
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
 from services.scheduler.core.engine import Engine
-from services.scheduler.grammar import GrammarCache, GrammarQueue
 from services.scheduler.core.req import Req
+from services.scheduler.grammar import GrammarCache, GrammarQueue
 from services.scheduler.model_executor.sampling import SamplingParams
 
 pytest.importorskip("xgrammar")
@@ -102,7 +102,7 @@ def test_ignore_eos_still_ends_at_the_grammar_end(engine: Engine, tok: TextToken
                                        ("ebnf", "root ::= (")])
 def test_invalid_constraint_aborts_with_invalid_argument(engine: Engine, kind: str, text: str) -> None:
     ok, bad = engine.generate([rand_ids(6, 6)] * 2, [SamplingParams(temperature=0.0, max_new_tokens=4),
-                                                     SamplingParams(max_new_tokens=4, **{kind: text})])
+                                                     SamplingParams(max_new_tokens=4, **{kind: text})])  # type: ignore[arg-type]
     assert ok.finish.type == "length"
     assert bad.finish.type == "abort" and bad.finish.status == grpc.StatusCode.INVALID_ARGUMENT and not bad.output_ids
     assert bad.finish.message.startswith(f"sampling_params.{kind}: ")
@@ -133,7 +133,7 @@ def test_abort_while_in_the_grammar_queue(engine: Engine, monkeypatch) -> None:
     glue = engine.grammar
     slow = f"[a-z]+{uuid.uuid4().hex}"
     gated = GatedBackend(glue.queue.backend, slow)
-    queue = GrammarQueue(gated, GrammarCache(), timeout_s=30, on_ready=engine.wake)
+    queue = GrammarQueue(gated, GrammarCache(), timeout_s=30, on_ready=engine.wake)  # type: ignore[arg-type]
     monkeypatch.setattr(glue, "queue", queue)
     try:
         engine.submit(Req(rid="gq", origin_input_ids=rand_ids(6, 8),
@@ -154,7 +154,7 @@ def test_compile_timeout_aborts_only_that_request(engine: Engine, tok: TextToken
     glue = engine.grammar
     slow = f"[a-z]+{uuid.uuid4().hex}"
     gated = GatedBackend(glue.queue.backend, slow)
-    queue = GrammarQueue(gated, GrammarCache(), timeout_s=0.5, on_ready=engine.wake)
+    queue = GrammarQueue(gated, GrammarCache(), timeout_s=0.5, on_ready=engine.wake)  # type: ignore[arg-type]
     monkeypatch.setattr(glue, "queue", queue)
     try:
         outs = engine.generate([rand_ids(6, 9)] * 3, [

@@ -40,7 +40,7 @@ def test_many_small_allocs_and_frees() -> None:
     pool = TokenToKVPool(64, 1, 1, 2, torch.float32, torch.device("cpu"))
     held: list[torch.Tensor] = []
     g = torch.Generator().manual_seed(0)
-    for step in range(500):
+    for _step in range(500):
         if held and (pool.available_size() < 4 or torch.rand(1, generator=g) < 0.4):
             pool.free(held.pop(int(torch.randint(len(held), (1,), generator=g))))
         else:

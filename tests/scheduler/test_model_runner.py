@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -29,7 +31,9 @@ class Seq:
 
 def make_batch(seqs: list[Seq], mode: ForwardMode, new: list[int]) -> ForwardBatch:
     """`new[i]` = number of seqs[i].ids not yet cached that run in this pass."""
-    ids, pos, locs = [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    locs: list[torch.Tensor] = []
     for s, n in zip(seqs, new):
         locs.append(s.reserve(n))
         ids += s.ids[s.cached:s.cached + n]
@@ -131,7 +135,7 @@ def test_greedy_30_steps_match_generate(runner: ModelRunner, hf_model, model_dir
         runner.req_to_token_pool.free(s.row)
 
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "llama3_rope_tied": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True,
                              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,

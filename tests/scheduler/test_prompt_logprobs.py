@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from services.scheduler.core import prompt_logprobs
 from services.scheduler.config import EngineConfig
+from services.scheduler.core import prompt_logprobs
 from services.scheduler.core.engine import Engine
-from services.scheduler.model_executor.model_runner import _logit_index
 from services.scheduler.core.req import Req
+from services.scheduler.model_executor.model_runner import _logit_index
 from services.scheduler.model_executor.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import random
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.scheduler.kvcache.memory_pool import TokenToKVPool
 from services.scheduler.kvcache.radix_cache import RadixCache
 
 
 def make(size: int = 256) -> tuple[TokenToKVPool, RadixCache]:
-    pool = TokenToKVPool(size, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    pool = TokenToKVPool(size, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                         device=torch.device("cpu"))
     return pool, RadixCache(pool)
 
 
@@ -85,7 +87,7 @@ def test_check_detects_corruption() -> None:
 
 
 def test_disabled_cache_matches_nothing() -> None:
-    pool = TokenToKVPool(16, 1, 1, 2, torch.float32, "cpu")
+    pool = TokenToKVPool(16, 1, 1, 2, torch.float32, torch.device("cpu"))
     tree = RadixCache(pool, disable=True)
     assert tree.insert([1, 2], torch.tensor([1, 2])) == 0
     assert tree.match_prefix([1, 2]).indices.numel() == 0

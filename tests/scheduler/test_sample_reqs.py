@@ -7,9 +7,9 @@ import math
 import torch
 
 from services.scheduler.core.finish import FinishChecker
-from services.scheduler.grammar.glue import GrammarGlue
 from services.scheduler.core.req import Req
 from services.scheduler.core.scheduler import sample_reqs
+from services.scheduler.grammar.glue import GrammarGlue
 from services.scheduler.model_executor.sampling import SamplingParams
 
 V, EOS = 8, 7

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from ringserve.v1 import common_pb2
-from services.scheduler.model_executor.sampling import (SamplingBatchInfo, SamplingParams, apply_penalties, make_generator,
-                                         sample)
+from services.scheduler.model_executor.sampling import (
+    SamplingBatchInfo,
+    SamplingParams,
+    apply_penalties,
+    make_generator,
+    sample,
+)
 
 V = 50
 

@@ -6,17 +6,18 @@ from collections import deque
 
 import torch
 
+from services.scheduler.core.prefill import PrefillAdder, order_waiting
+from services.scheduler.core.req import Req
 from services.scheduler.kvcache.kv_manager import KVManager
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.kvcache.radix_cache import RadixCache
-from services.scheduler.core.req import Req
 from services.scheduler.model_executor.sampling import SamplingParams
-from services.scheduler.core.prefill import PrefillAdder, order_waiting
 
 
 def make_kv(size: int = 1000, rows: int = 8) -> KVManager:
-    pool = TokenToKVPool(size, 1, 1, 2, torch.float32, "cpu")
-    return KVManager(ReqToTokenPool(rows, 512, "cpu"), pool, RadixCache(pool))
+    cpu = torch.device("cpu")
+    pool = TokenToKVPool(size, 1, 1, 2, torch.float32, cpu)
+    return KVManager(ReqToTokenPool(rows, 512, cpu), pool, RadixCache(pool))
 
 
 def req(rid: str, ids: list[int], max_new: int = 10) -> Req:

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from ringserve.errors import InvalidArgument
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.config import EngineConfig
-from ringserve.errors import InvalidArgument
 from services.scheduler.core.engine import Engine, QueueFull
 from services.scheduler.core.req import Req
 from services.scheduler.model_executor.sampling import SamplingParams
@@ -210,6 +210,7 @@ def test_a_decode_step_follows_each_prefill_step_while_requests_run(model_dir: s
                                 disable_decode_interleave=not interleave))
         params = greedy(max_new_tokens=12, ignore_eos=True)
         e.submit(Req(rid="r0", origin_input_ids=rand_ids(20, 60), params=params))
+        outs: dict[str, list[int]]
         kinds, outs = "", {}
 
         def step() -> None:

@@ -42,7 +42,7 @@ def _gateway(c: Cluster, tok: Svc, env: dict[str, str], *args: str) -> Svc:
 
 
 def _get(gw: Svc, path: str, key: str | None = None, scheme: str = "Bearer ") -> httpx.Response:
-    headers = {"Authorization": f"{scheme}{key}".strip().encode()} if key is not None else {}
+    headers = {b"Authorization": f"{scheme}{key}".strip().encode()} if key is not None else {}
     return httpx.get(f"{gw.url}{path}", headers=headers, timeout=30)
 
 

@@ -129,7 +129,8 @@ def test_random_bytes_as_the_request(tok: Svc) -> None:
     bad: list[str] = []
     with grpc.insecure_channel(tok.target) as ch:
         # No serializers: the bytes go on the wire as they are.
-        raw = ch.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)
+        raw: grpc.UnaryStreamMultiCallable[bytes, bytes] = ch.unary_stream(GENERATE, request_serializer=None,
+                                                                          response_deserializer=None)
 
         @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(body=st.binary(max_size=200) | requests().map(lambda r: r.SerializeToString()[::-1]))

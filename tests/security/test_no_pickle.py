@@ -34,7 +34,7 @@ def violations(path: Path) -> list[str]:
             names = [node.module]
         for name in names:
             if name.split(".")[0] in FORBIDDEN_MODULES:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: import {name}")
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: import {name}")  # type: ignore[attr-defined]
         if isinstance(node, ast.Call):
             fn = node.func
             name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""

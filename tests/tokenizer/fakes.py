@@ -137,7 +137,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         tokens = fake_tokens(list(req.input_ids), sp.max_new_tokens, seed)
         self.options.running.add(req.rid)
         try:
-            for i, t in enumerate(tokens):
+            for i, _t in enumerate(tokens):
                 await asyncio.sleep(self.options.step_s)  # simulated forward pass
                 if req.rid in self.aborted:
                     return  # like the real scheduler: no more output after an abort

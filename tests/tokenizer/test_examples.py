@@ -7,9 +7,8 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import pytest
 

@@ -78,8 +78,10 @@ def test_two_tokenizers_get_only_their_own_outputs(ring):
         sa, sb = api_pb2_grpc.InferenceServiceStub(ca), api_pb2_grpc.InferenceServiceStub(cb)
         calls = []
         for i in range(10):
-            calls.append(("a", f"a-{i}", sa.Generate(gen_request(text=f"alpha {i}", rid=f"a-{i}", max_new_tokens=6), timeout=10)))
-            calls.append(("b", f"b-{i}", sb.Generate(gen_request(text=f"beta {i} x", rid=f"b-{i}", max_new_tokens=6), timeout=10)))
+            calls.append(("a", f"a-{i}",
+                          sa.Generate(gen_request(text=f"alpha {i}", rid=f"a-{i}", max_new_tokens=6), timeout=10)))
+            calls.append(("b", f"b-{i}",
+                          sb.Generate(gen_request(text=f"beta {i} x", rid=f"b-{i}", max_new_tokens=6), timeout=10)))
         for who, rid, call in calls:
             msgs = list(call)
             text = f"alpha {rid[2:]}" if who == "a" else f"beta {rid[2:]} x"
@@ -105,8 +107,8 @@ def test_burst_of_mixed_requests_leaves_no_state(ring):
         elif kind == "ok_n":
             req = gen_request(rid=f"r{i}", sampling_params=common_pb2.SamplingParams(max_new_tokens=5, n=2))
         else:
-            req = gen_request(text=f"burst {i}", rid=f"r{i}", max_new_tokens=400 if kind in ("cancel", "deadline") else 6,
-                              stream=kind != "nonstream")
+            req = gen_request(text=f"burst {i}", rid=f"r{i}",
+                              max_new_tokens=400 if kind in ("cancel", "deadline") else 6, stream=kind != "nonstream")
         call = stub.Generate(req, timeout=0.3 if kind == "deadline" else 20)
         try:
             if kind == "cancel":

@@ -12,7 +12,8 @@ from ringserve.v1 import api_pb2, common_pb2
 from .fakes import FAIL_STOP, REJECT_STOP, fake_text
 
 
-def gen_request(text: str = "hello world", max_new_tokens: int = 8, stream: bool = True, **kw) -> api_pb2.GenerateRequest:
+def gen_request(text: str = "hello world", max_new_tokens: int = 8, stream: bool = True,
+                **kw) -> api_pb2.GenerateRequest:
     sp = kw.pop("sampling_params", None) or common_pb2.SamplingParams(max_new_tokens=max_new_tokens)
     return api_pb2.GenerateRequest(text=text, sampling_params=sp, stream=stream, **kw)
 
@@ -211,7 +212,7 @@ def test_chat_template_error_is_invalid_argument(ring, client):
     chat = api_pb2.ChatInput(messages=[api_pb2.ChatMessage(role="assistant", content="x")],
                              continue_final_message=True)
     req = api_pb2.GenerateRequest(chat=chat)
-    ring.tokenizer.chat_template  # the default model has one
+    _ = ring.tokenizer.chat_template  # the default model has one
     chat_bad = api_pb2.GenerateRequest(chat=api_pb2.ChatInput())
     with pytest.raises(grpc.RpcError) as e:
         list(client.Generate(chat_bad, timeout=5))

@@ -10,7 +10,7 @@ from ringserve.errors import InvalidArgument, NotFound
 from ringserve.message import SamplingParams
 from ringserve.text_tokenizer import ChatTemplateError
 from services.tokenizer.io_struct import ChatInput, GenerateInput
-from services.tokenizer.validation import Limits, prepare
+from services.tokenizer.validation import Limits, Prepared, prepare
 
 
 @dataclass
@@ -30,7 +30,7 @@ class FakeTok:
 LIMITS = Limits(served_model_name="tiny", max_n=4, max_stop_strings=2, max_stop_len=5, max_top_logprobs=3)
 
 
-def run(**kw) -> object:
+def run(**kw) -> Prepared:
     sampling = kw.pop("sampling", {})
     kw.setdefault("text", "hello")
     return prepare(GenerateInput(sampling=SamplingParams(**sampling), **kw), FakeTok(), LIMITS)

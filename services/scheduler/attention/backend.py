@@ -23,15 +23,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.scheduler.attention.decode_cache import DecodeRows, DenseDecodeCache
 from services.scheduler.kernels.cpu_kernels import (
     DecodeLayout,
     ExtendLayout,
     NativeKernels,
     extend_layout,
 )
-from services.scheduler.attention.decode_cache import DecodeRows, DenseDecodeCache
-from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from services.scheduler.attention.shared_prefix import MIN_SHARED, SharedPrefixes
 from services.scheduler.kernels.cpu_kernels import DecodeLayout, decode_layout
 from services.scheduler.kvcache.memory_pool import TokenToKVPool, doubled, rounded
-from services.scheduler.attention.shared_prefix import MIN_SHARED, SharedPrefixes
 
 MIN_BUDGET = 1 << 30   # bytes the dense rows may take at least ...
 POOL_MULTIPLE = 2      # ... or this many times the KV pool's, whichever is more

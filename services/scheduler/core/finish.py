@@ -6,8 +6,8 @@ past it is generated. Order follows SGLang: max_new_tokens first, then tokens, t
 
 from __future__ import annotations
 
-from ringserve.text_tokenizer import TextTokenizer
 from ringserve.message import Finish
+from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler.core.req import Req
 
 # A character is at most 4 UTF-8 bytes and a byte-level token at least one byte, so a stop string of

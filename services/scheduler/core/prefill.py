@@ -17,9 +17,9 @@ from typing import Literal
 import torch
 
 from services.scheduler.core import prompt_logprobs
+from services.scheduler.core.req import Req
 from services.scheduler.kvcache.kv_manager import KVManager
 from services.scheduler.kvcache.radix_cache import _common_len
-from services.scheduler.core.req import Req
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 POLICIES = ("fcfs", "lpm")

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from services.scheduler.model_executor.forward_batch import ForwardBatch
 from services.scheduler.core.req import Req
+from services.scheduler.model_executor.forward_batch import ForwardBatch
 
 NO_LOGPROB = math.nan  # position 0: no token before it to predict it
 SLICE_ROWS = 512  # log-softmax this many positions at a time: a chunk's [T, V] is not copied whole

@@ -17,7 +17,6 @@ import torch
 from ringserve.message import Finish, SamplingParams, Timings
 from ringserve.v1 import scheduler_pb2
 
-
 TopLogprobs = list[tuple[int, float]]                          # (token id, logprob), most likely first
 PromptLogprob = tuple[int, float, TopLogprobs | None]          # (token id, logprob, alternatives)
 

@@ -30,8 +30,13 @@ from services.scheduler.core import prompt_logprobs
 from services.scheduler.core.decode import RunningBatch
 from services.scheduler.core.finish import FinishChecker
 from services.scheduler.core.outputs import make_output
-from services.scheduler.core.prefill import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY,
-                                             PrefillAdder, order_waiting)
+from services.scheduler.core.prefill import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO,
+    NEW_TOKEN_RATIO_DECAY,
+    PrefillAdder,
+    order_waiting,
+)
 from services.scheduler.core.req import Req, ReqStatus
 from services.scheduler.grammar.glue import GrammarGlue
 from services.scheduler.kvcache.kv_manager import KVManager

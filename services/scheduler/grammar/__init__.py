@@ -17,8 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.grammar.backend import (GRAMMAR_KINDS, CompiledGrammar, GrammarBackend, GrammarError,
-                                                GrammarKind, GrammarMatcher, field_of)
+from services.scheduler.grammar.backend import (
+    GRAMMAR_KINDS,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarKind,
+    GrammarMatcher,
+    field_of,
+)
 from services.scheduler.grammar.grammar_cache import GrammarCache
 from services.scheduler.grammar.grammar_queue import GrammarQueue, GrammarQueueFull, GrammarReady
 from services.scheduler.grammar.masking import GrammarMasker

@@ -15,11 +15,9 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from services.scheduler.grammar import (GrammarMasker, GrammarQueue, GrammarQueueFull, constraint_of,
-                                        field_of)
 from ringserve.message import Finish
 from services.scheduler.core.req import Req
-
+from services.scheduler.grammar import GrammarMasker, GrammarQueue, GrammarQueueFull, constraint_of, field_of
 
 
 class GrammarGlue:

@@ -20,11 +20,16 @@ from typing import NamedTuple
 
 import grpc
 
-from services.scheduler.grammar.backend import (CompiledGrammar, GrammarBackend, GrammarError, GrammarKind,
-                                                GrammarMatcher, field_of)
+from services.scheduler.grammar.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarKind,
+    GrammarMatcher,
+    field_of,
+)
 from services.scheduler.grammar.grammar_cache import CacheEntry, GrammarCache, GrammarKey
 from services.scheduler.grammar.metrics import GrammarMetrics
-
 
 
 class GrammarQueueFull(Exception):

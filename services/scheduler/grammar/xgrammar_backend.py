@@ -14,8 +14,14 @@ from pathlib import Path
 import torch
 import xgrammar as xgr
 
-from services.scheduler.grammar.backend import (CompiledGrammar, GrammarBackend, GrammarError, GrammarKind,
-                                                GrammarMatcher, field_of)
+from services.scheduler.grammar.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarKind,
+    GrammarMatcher,
+    field_of,
+)
 
 # xgrammar's C++ errors start with "[12:01:33] /project/cpp/regex_converter.cc:94: " and may add a
 # failed check's text; neither means anything to a client.

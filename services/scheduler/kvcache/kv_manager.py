@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.core import prompt_logprobs
+from services.scheduler.core.req import Req
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.kvcache.radix_cache import RadixCache
-from services.scheduler.core.req import Req
 
 
 class KVManager:

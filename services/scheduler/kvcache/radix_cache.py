@@ -27,7 +27,7 @@ _clock = itertools.count()  # monotonic LRU stamps; cheaper than time.monotonic 
 class TreeNode:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
 
-    def __init__(self, parent: "TreeNode | None" = None, key: list[int] | None = None,
+    def __init__(self, parent: TreeNode | None = None, key: list[int] | None = None,
                  value: torch.Tensor | None = None) -> None:
         self.children: dict[int, TreeNode] = {}
         self.parent = parent
@@ -36,7 +36,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = next(_clock)
 
-    def __lt__(self, other: "TreeNode") -> bool:
+    def __lt__(self, other: TreeNode) -> bool:
         return self.last_access < other.last_access
 
 

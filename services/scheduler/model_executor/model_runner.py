@@ -8,12 +8,12 @@ import time
 
 import torch
 
-from services.scheduler.kernels import cpu_linear
-from services.scheduler.model_executor import model_loader
 from services.scheduler.attention.backend import TorchSDPABackend
+from services.scheduler.kernels import cpu_linear
 from services.scheduler.kernels.cpu_kernels import load as load_cpu_kernels
-from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.model_executor import model_loader
+from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models import get_model_class
 
 logger = logging.getLogger(__name__)

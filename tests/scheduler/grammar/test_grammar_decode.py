@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from services.scheduler.grammar import GrammarMasker
-from services.scheduler.grammar.simulate import random_decode
+from services.scheduler.grammar.simulate import SimRow, random_decode
 
 SAMPLES = 6       # rows decoded per constraint, in one batch
 MAX_STEPS = 400   # every constraint below ends well within this under uniform sampling
@@ -72,7 +72,7 @@ num ::= [1-9] [0-9]?
 """
 
 
-def _decode(backend, text_tokenizer, compiled, seed: int, apply_mask: bool = True) -> list[tuple[str, object]]:
+def _decode(backend, text_tokenizer, compiled, seed: int, apply_mask: bool = True) -> list[tuple[str, SimRow]]:
     masker = GrammarMasker(backend, SAMPLES)
     rows = random_decode(masker, [compiled.matcher() for _ in range(SAMPLES)], MAX_STEPS,
                          torch.Generator().manual_seed(seed), apply_mask=apply_mask)
