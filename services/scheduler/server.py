@@ -47,6 +47,7 @@ class SchedulerServer:
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up
+        assert self.grpc is not None  # the pusher that calls this is started after serve() makes self.grpc
         await self.grpc.set_serving(up and self.engine is not None and not self.draining)
         log.info("health %s (push stream %s)", "SERVING" if up and not self.draining else "NOT_SERVING",
                  "open" if up else "down")

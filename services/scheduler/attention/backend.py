@@ -65,7 +65,10 @@ class TorchSDPABackend:
         self.head_dim = head_dim
         self.scaling = scaling
         self.device = kv_pool.device
-        self.metadata: SDPAMetadata | None = None
+        # None until the first init_forward_metadata (or graph capture), which always runs before any layer's
+        # forward; typed as set so the per-layer reads need no check. It must exist from here on:
+        # CudaGraphRunner looks for the attribute with hasattr.
+        self.metadata: SDPAMetadata = None  # type: ignore[assignment]
         self.native = native  # CPU float32: the C kernels (decode over the dense cache, and prefill)
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
@@ -174,7 +177,8 @@ class TorchSDPABackend:
 
     def _decode(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
         bs = q.shape[0]
-        k, v = self._gather_kv(layer_id, md.kv_index)
+        # Decode metadata always has a kv_index; not asserted here, as this runs per layer per token.
+        k, v = self._gather_kv(layer_id, md.kv_index)  # type: ignore[arg-type]
         q = q.view(bs, self.num_kv_heads, self.group, self.head_dim)  # [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=md.mask, scale=self.scaling)
         return out.reshape(bs, -1)  # [B, Hq * D]
@@ -196,7 +200,7 @@ class TorchSDPABackend:
     def _decode_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                       md: SDPAMetadata) -> torch.Tensor:
         rows, bs = md.dense_rows, q.shape[0]
-        assert self.dense is not None and rows is not None
+        assert self.dense is not None and rows is not None and md.mask is not None
         self.dense.write(layer_id, rows, k, v)
         q_rows = q.view(bs, self.num_kv_heads, self.group, self.head_dim)[rows.inv]  # [B, Hkv, G, D]
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
@@ -211,6 +215,7 @@ class TorchSDPABackend:
         if self.native is not None:
             return self._extend_native(q, layer_id, md)
         bs, q_len = md.batch_size, md.q_len
+        assert md.kv_index is not None  # _attend sends the kv_index=None case to SDPA directly
         k, v = self._gather_kv(layer_id, md.kv_index)
         q_pad = q.new_zeros(bs * q_len, self.num_heads, self.head_dim)
         q_pad[md.q_pad_index] = q

@@ -44,7 +44,9 @@ class SharedPrefixes:
         """The longest live entry whose slots start `row_slots` ([n] int64, the request's written ones)."""
         best, best_len = None, 0
         for e, slots in enumerate(self.slots):
-            n = 0 if slots is None else len(slots)
+            if slots is None:  # a free entry
+                continue
+            n = len(slots)
             if best_len < n <= len(row_slots) and torch.equal(row_slots[:n], slots):
                 best, best_len = e, n
         return best
@@ -77,7 +79,8 @@ class SharedPrefixes:
         e_cap, p_cap = (self.v[0].shape[0], self.v[0].shape[2]) if self.v else (0, 0)
         if entries <= e_cap and length <= p_cap:
             return True
-        new_e, new_p = doubled(e_cap, entries, 4), doubled(p_cap, length, 64) + 16  # off a power-of-two stride, as the rows (decode_cache.py)
+        # + 16: off a power-of-two stride, as the rows (decode_cache.py)
+        new_e, new_p = doubled(e_cap, entries, 4), doubled(p_cap, length, 64) + 16
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
         if new_e * new_p * pool.bytes_per_token > self.max_bytes:

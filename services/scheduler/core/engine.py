@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 THROUGHPUT_WINDOW_S = 1.0
 IDLE_WAIT_S = 0.5
 
+
+def _rid_is(rid: str) -> Callable[[Req], bool]:
+    """An abort predicate: the request with this rid."""
+    def pred(r: Req) -> bool:
+        return r.rid == rid
+    return pred
+
+
+def _owner_is(owner: str) -> Callable[[Req], bool]:
+    """An abort predicate: every request of this tokenizer replica."""
+    def pred(r: Req) -> bool:
+        return r.owner == owner
+    return pred
+
+
 # send(batch, reconnect): reconnect marks the full resync after the push stream (re)connected.
 Send = Callable[[StepBatch, bool], None]
 
@@ -137,10 +152,10 @@ class Engine:
                 sched.add_request(msg)
                 log.info("rid=%s queued prompt_tokens=%d owner=%s", msg.rid, msg.prompt_tokens, msg.owner)
             elif isinstance(msg, AbortRid):
-                for r in sched.abort(lambda r, rid=msg.rid: r.rid == rid):
+                for r in sched.abort(_rid_is(msg.rid)):
                     log.info("rid=%s aborted", r.rid)
             elif isinstance(msg, AbortOwner):
-                for r in sched.abort(lambda r, owner=msg.owner: r.owner == owner):
+                for r in sched.abort(_owner_is(msg.owner)):
                     log.info("rid=%s aborted owner=%s (stream closed)", r.rid, r.owner)
             else:
                 self._resyncs.append((msg.owner, self._resync(msg.owner)))

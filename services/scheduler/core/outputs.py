@@ -31,7 +31,8 @@ class GenerationResult:
     @classmethod
     def of(cls, req: Req) -> GenerationResult:
         return cls(rid=req.rid, output_ids=list(req.output_ids), logprobs=list(req.output_logprobs),
-                   top_logprobs=list(req.output_top_logprobs) if req.top_logprobs_num else [], input_logprobs=list(req.input_logprobs),
+                   top_logprobs=list(req.output_top_logprobs) if req.top_logprobs_num else [],
+                   input_logprobs=list(req.input_logprobs),
                    finish=req.finished_reason, cached_tokens=req.cached_tokens, prompt_tokens=req.prompt_tokens)
 
 

@@ -154,7 +154,7 @@ class NativeKernels:
         _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap)
         ptrs: list[int | None] = [None] * 4
         if layout.entry is not None:
-            assert prefix is not None
+            assert prefix is not None and layout.plen is not None  # plen is set together with entry
             _check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap)
             ptrs = [prefix[0].data_ptr(), prefix[1].data_ptr(), layout.entry.data_ptr(), layout.plen.data_ptr()]
         out = q.new_empty(b, h, g, d)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -76,7 +76,7 @@ class RadixCache:
         """Longest cached prefix of ids. Callers pass ids[:-1] so at least one token is computed."""
         if self.disable or not ids:
             return MatchResult(self._empty, self.root)
-        node, values = self.root, []
+        node, values = self.root, cast(list[torch.Tensor], [])
         stamp = next(_clock)
         while ids:
             child = node.children.get(ids[0])
@@ -86,9 +86,11 @@ class RadixCache:
             n = _common_len(child.key, ids)
             if n < len(child.key):
                 child = self._split(child, n)
+                assert child.value is not None  # _split gives the upper node a value
                 values.append(child.value)
                 node = child
                 break
+            assert child.value is not None  # only the root has no value
             values.append(child.value)
             node = child
             ids = ids[n:]
@@ -132,6 +134,8 @@ class RadixCache:
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child's key at n; returns the new upper node (which inherits child's lock)."""
+        # child is never the root: the root has no value and no parent and is never split
+        assert child.value is not None and child.parent is not None
         upper = TreeNode(child.parent, child.key[:n], child.value[:n])
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
@@ -148,6 +152,7 @@ class RadixCache:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
             node.lock_ref += 1
+            assert node.parent is not None  # only the root has no parent, and the walk stops there
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
@@ -156,6 +161,7 @@ class RadixCache:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
             node.lock_ref -= 1
+            assert node.parent is not None  # only the root has no parent, and the walk stops there
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
@@ -164,9 +170,11 @@ class RadixCache:
             return 0
         leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
-        freed, released = 0, []
+        freed, released = 0, cast(list[torch.Tensor], [])
         while freed < num_tokens and leaves:
             leaf = heapq.heappop(leaves)
+            # leaves are non-root nodes: they have a value and a parent
+            assert leaf.value is not None and leaf.parent is not None
             released.append(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
@@ -195,6 +203,7 @@ class RadixCache:
         for node in self._nodes():
             assert node.key, "empty non-root node"
             assert node.value is not None and node.value.numel() == len(node.key), "key/value length mismatch"
+            assert node.parent is not None, "non-root node without a parent"
             assert node.parent.children.get(node.key[0]) is node, "child indexed under the wrong token"
             assert node.lock_ref >= 0, "negative lock_ref"
             if node.children:
@@ -213,5 +222,5 @@ class RadixCache:
 
     def all_slots(self) -> torch.Tensor:
         """Every slot the tree holds (for flush and for pool accounting in tests)."""
-        values = [n.value for n in self._nodes()]
+        values = cast(list[torch.Tensor], [n.value for n in self._nodes()])  # non-root nodes all have a value
         return torch.cat(values) if values else self._empty

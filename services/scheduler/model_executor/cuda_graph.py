@@ -76,6 +76,7 @@ class CudaGraphRunner:
 
     def _fill_padding(self, md: SDPAMetadata, start: int) -> None:
         """Rows >= start: token 0 at position 0 into dummy slot 0, attending to slot 0 only."""
+        assert md.kv_index is not None and md.mask is not None  # _views sets both
         self.input_ids[start:md.batch_size] = 0
         self.positions[start:md.batch_size] = 0
         md.out_cache_loc[start:] = 0
@@ -114,6 +115,7 @@ class CudaGraphRunner:
             self._capture(pad_bs, kv_len)
         graph, out = self.graphs[(pad_bs, kv_len)]
         md = self._views(pad_bs, kv_len)
+        assert md.kv_index is not None and md.mask is not None  # _views sets both
         self.input_ids[:bs].copy_(batch.input_ids)
         self.positions[:bs].copy_(batch.positions)
         md.out_cache_loc[:bs].copy_(batch.out_cache_loc)

@@ -15,6 +15,7 @@ from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.model_executor import model_loader
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models import get_model_class
+from services.scheduler.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class ModelRunner:
         self.model = self._load_model(path)
         logger.info("weights loaded in %.1fs", time.monotonic() - t0)
 
-        attn = self.model.layers[0].self_attn
+        attn = self.model.first_attention()
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.max_total_num_tokens = self._kv_budget(max_total_tokens, mem_fraction, max_running_requests)
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, self.context_length + 4, self.device)
@@ -89,7 +90,7 @@ class ModelRunner:
 
     # ---- setup ----
 
-    def _load_model(self, path) -> torch.nn.Module:
+    def _load_model(self, path) -> LlamaForCausalLM:
         cls = get_model_class(self.model_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -163,6 +164,7 @@ class ModelRunner:
         """One tiny prefill and decode through the pools (then freed), so the first request pays no setup."""
         row = self.req_to_token_pool.alloc()
         slots = self.token_to_kv_pool.alloc(2)
+        assert row is not None and slots is not None  # the pools are empty at warmup
         try:
             self.req_to_token_pool.req_to_token[row, :2] = slots
             ids = torch.tensor([0, 0], dtype=torch.int64, device=self.device)
@@ -183,7 +185,8 @@ class ModelRunner:
 def _logit_index(extend_lens: list[int], logit_rows: list[int] | None, device: torch.device) -> torch.Tensor | None:
     """[R] int64 rows of the packed tokens whose logits are wanted; None when that is every row."""
     rows = logit_rows or [1] * len(extend_lens)
-    index, end = [], 0
+    index: list[int] = []
+    end = 0
     for n, k in zip(extend_lens, rows):
         end += n
         index.extend(range(end - k, end))

@@ -101,9 +101,11 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     """logits: [B, V] float32 (not modified). Penalties, then the min_new_tokens mask."""
     raw = logits
     if info.rep_penalties is not None:
+        assert info.rep_mask is not None  # built together with rep_penalties
         penalized = torch.where(logits > 0, logits / info.rep_penalties, logits * info.rep_penalties)
         logits = torch.where(info.rep_mask, penalized, logits)
     if info.counts is not None:
+        assert info.freq_penalties is not None and info.pres_penalties is not None  # built together with counts
         logits = logits - (info.freq_penalties * info.counts + info.pres_penalties * (info.counts > 0).float())
     if info.min_token_mask:
         if logits is raw:
@@ -158,6 +160,8 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[b
         next_ids = argmax(logits) if argmax is not None else logits.argmax(-1).tolist()
     else:
         next_ids = [0] * bs
+        # build() sets these on every batch that is not fast_greedy
+        assert info.greedy is not None and info.temperatures is not None and info.generators is not None
         logits_p = apply_penalties(logits, info)
         greedy_rows = [i for i in range(bs) if info.greedy[i]]
         if greedy_rows:
@@ -183,5 +187,6 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[b
                 logprobs[i] = chosen[j]
             n = top_logprobs_num[i]
             if n > 0:
+                assert top_i is not None and top_v is not None  # n > 0 implies k > 0
                 tops[i] = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
     return SampleOutput(next_ids, logprobs, tops)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from services.scheduler.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -14,7 +12,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(config) -> type[nn.Module]:
+def get_model_class(config) -> type[LlamaForCausalLM]:
     for arch in getattr(config, "architectures", None) or []:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]

@@ -8,6 +8,8 @@ Variants: Qwen2 has q/k/v bias; Qwen3 has RMSNorm on each head of q and k (`q_no
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,8 +122,11 @@ class LlamaForCausalLM(nn.Module):
             p.requires_grad_(False)
 
     def init_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.rotary = RotaryEmbedding(self.config, self.layers[0].self_attn.head_dim, self.max_position,
-                                      device, dtype)
+        self.rotary = RotaryEmbedding(self.config, self.first_attention().head_dim, self.max_position, device, dtype)
+
+    def first_attention(self) -> LlamaAttention:
+        """The first layer's attention (every layer has the same shapes)."""
+        return cast(LlamaDecoderLayer, self.layers[0]).self_attn
 
     def use_native_kernels(self, kernels: NativeKernels) -> None:
         """Rotary, the SiLU gate and the norms on the C kernels (float32 CPU models; the runner decides)."""
@@ -132,18 +137,20 @@ class LlamaForCausalLM(nn.Module):
                 m.native = kernels  # not Qwen3's per-head q/k norms: those run over views of the heads
         if getattr(self.config, "hidden_act", "silu") == "silu":
             for layer in self.layers:
-                layer.mlp.native = kernels
+                cast(LlamaDecoderLayer, layer).mlp.native = kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
                 last_index: torch.Tensor | None) -> torch.Tensor:
         """input_ids, positions: [T] int64. last_index: [B] rows of T whose logits are wanted (None: all).
         Returns logits [B, V] float32."""
+        assert self.rotary is not None  # init_rotary runs when the model is loaded, before any forward
         x = self.embed_tokens(input_ids)  # [T, H], a fresh tensor: the layers add into it
         rot = self.rotary.prepare(positions)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, self.rotary, rot, attn)
         if last_index is not None:  # [B, H]: the last add, norm and lm_head only where logits are used
+            assert delta is not None  # the model has at least one layer
             x, delta = x.index_select(0, last_index), delta.index_select(0, last_index)
         x, _ = self.norm.add_norm(x, delta)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
@@ -179,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
             raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
 
     def _shard_sizes(self, fused: str) -> list[int]:
-        attn = self.layers[0].self_attn
+        attn = self.first_attention()
         if fused == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
         return [self.config.intermediate_size] * 2

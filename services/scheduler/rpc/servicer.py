@@ -25,8 +25,8 @@ _END = object()  # marks the end of a Connect stream's outgoing queue
 # -- the service -----------------------------------------------------------------------------------
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, get_engine: Callable[[], Engine | None], info: Callable[[], scheduler_pb2.GetSchedulerInfoResponse],
-                 load_interval_s: float) -> None:
+    def __init__(self, get_engine: Callable[[], Engine | None],
+                 info: Callable[[], scheduler_pb2.GetSchedulerInfoResponse], load_interval_s: float) -> None:
         self._get_engine = get_engine
         self._info = info
         self.load_interval_s = load_interval_s
