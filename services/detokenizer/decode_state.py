@@ -14,8 +14,17 @@ The new text is committed (and the window slides: surr <- read, read <- end) onl
     decoder turns a whole run of byte tokens into U+FFFDs if the run is invalid, so a run must be
     decoded in one piece.
 Otherwise the text is held and the window grows. At finish everything is flushed.
+
+A tokenizer with `clean_up_tokenization_spaces` (Llama 3's tokenizer_config sets it) has its text
+cleaned (" ." -> ".", " 's" -> "'s", ...). Cleaning a window is not cleaning the whole text: a space
+sent before a window boundary cannot be taken back when "." arrives after it, and the windowed
+differences even lose characters ("I 'm here" streamed one token at a time came out "I ' here").
+So the windows decode the raw text, and the committed raw text goes through `CleanUpStream`, which
+sends the cleaned text only up to a point no clean-up pattern can span and holds the rest.
+
 Under these rules concatenated deltas equal `TextTokenizer.decode(all ids)`; the property tests in
-tests/detokenizer/test_decode_state.py check it for byte-level and byte-fallback tokenizers.
+tests/detokenizer/test_decode_state.py check it for byte-level and byte-fallback tokenizers, and
+tests/detokenizer/test_real_tokenizers.py for real ones (Qwen3, Llama 3, Llama 2, Gemma 3).
 """
 
 from __future__ import annotations
@@ -33,6 +42,57 @@ REPLACEMENT = "\ufffd"
 MAX_WINDOW = 256
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
+# transformers' clean_up_tokenization, in its order (ringserve.text_tokenizer._clean_up applies the same
+# rules; tests/detokenizer/test_real_tokenizers.py checks that they agree). Every pattern starts with a
+# space and every rewrite only deletes spaces, which is what CleanUpStream relies on.
+CLEANUP_RULES = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+# The last characters of the patterns' proper prefixes (" ", " n", " n'", " '", " 'v", " 'r").
+_CLEANUP_OPEN = frozenset(p[k - 1] for p, _ in CLEANUP_RULES for k in range(1, len(p)))
+
+
+def clean_up(text: str) -> str:
+    """The whole clean-up, as TextTokenizer.decode applies it."""
+    for pattern, repl in CLEANUP_RULES:
+        text = text.replace(pattern, repl)
+    return text
+
+
+def _cleanup_safe_end(text: str) -> bool:
+    """Can nothing that follows `text` change how it is cleaned? True when, at every rule's turn,
+    no suffix of the partly cleaned text is a proper prefix of that rule's pattern: then no pattern
+    occurrence spans the end, and clean_up(text + rest) == clean_up(text) + clean_up(rest)."""
+    for pattern, repl in CLEANUP_RULES:
+        if any(text.endswith(pattern[:k]) for k in range(1, len(pattern))):
+            return False
+        text = text.replace(pattern, repl)
+    return True
+
+
+class CleanUpStream:
+    """clean_up over text that arrives in pieces: the concatenated outputs equal clean_up of the
+    concatenated inputs. Each piece is sent cleaned up to a safe cut, the rest held for the next one."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        buf = self.held + text
+        cut = len(buf)
+        if not _cleanup_safe_end(buf):
+            # After a character that ends no pattern prefix (never a space, so never deleted) the cut
+            # is safe whatever came before it: back off to the last one.
+            while cut and buf[cut - 1] in _CLEANUP_OPEN:
+                cut -= 1
+        self.held = buf[cut:]
+        return clean_up(buf[:cut])
+
+    def finish(self, text: str) -> str:
+        buf, self.held = self.held + text, ""
+        return clean_up(buf)
+
 
 @dataclass(slots=True)
 class DecodeState:
@@ -42,6 +102,7 @@ class DecodeState:
     ids: list[int] = field(default_factory=list)  # output ids from the surrogate offset on
     read: int = 0  # ids[:read] are already turned into committed text
     surr_text: str | None = ""  # decode(ids[:read]), None when it must be decoded again
+    cleanup: CleanUpStream | None = None  # tokenizers with clean_up_tokenization_spaces only
 
     def append(self, ids: list[int]) -> None:
         self.ids.extend(ids)
@@ -68,6 +129,10 @@ class IncrementalDecoder:
         self.tokenizer = tokenizer
         self.hold_ids = byte_fallback_ids(tokenizer)
         self.special_ids = tokenizer.special_ids
+        # Windows are decoded raw (TextTokenizer.decode_batch would clean each window on its own);
+        # clean-up, where the tokenizer asks for it, runs on the committed text (CleanUpStream).
+        self.cleans_up = tokenizer.clean_up_tokenization_spaces
+        self._decode_batch = tokenizer.tokenizer.decode_batch
 
     def step(self, jobs: list[DecodeJob]) -> list[str]:
         """New committed text for each job, in order."""
@@ -79,17 +144,23 @@ class IncrementalDecoder:
         return out
 
     def _decode_group(self, jobs: list[DecodeJob], skip: bool, out: list[str], idx: list[int]) -> None:
-        full = self.tokenizer.decode_batch([j.state.ids for j in jobs], skip_special_tokens=skip)
+        full = self._decode_batch([j.state.ids for j in jobs], skip_special_tokens=skip)
         need = [k for k, j in enumerate(jobs) if j.state.surr_text is None]
         if need:
-            surr = self.tokenizer.decode_batch([jobs[k].state.ids[:jobs[k].state.read] for k in need],
-                                               skip_special_tokens=skip)
+            surr = self._decode_batch([jobs[k].state.ids[:jobs[k].state.read] for k in need],
+                                      skip_special_tokens=skip)
             for k, text in zip(need, surr):
                 jobs[k].state.surr_text = text
         for k, job in enumerate(jobs):
-            out[idx[k]] = self._commit(job, full[k])
+            text = self._commit(job, full[k])
+            if self.cleans_up:
+                st = job.state
+                st.cleanup = st.cleanup or CleanUpStream()
+                text = st.cleanup.finish(text) if job.final else st.cleanup.feed(text)
+            out[idx[k]] = text
 
     def _commit(self, job: DecodeJob, full: str) -> str:
+        """The new raw text the window commits (all of it when final)."""
         st = job.state
         prev = st.surr_text or ""
         new = full[len(prev):]
