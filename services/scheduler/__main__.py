@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 
 from ringserve.config import parse_config
 from ringserve.logs import setup_logging
+from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model
 from services.scheduler.config import SchedulerServerConfig
+from services.scheduler.models import check_architectures
 from services.scheduler.server import SchedulerServer
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(SchedulerServerConfig, argv, description="ringserve scheduler: batching, KV cache, forward loop")
+    with exit_on_model_error():  # a model that cannot be served: one line, before anything starts
+        path = require_files(resolve_model(cfg.model, prepare=True), cfg.model, "config.json", "tokenizer.json")
+        check_architectures(architectures(path), cfg.model)
     setup_logging("scheduler")
-    return asyncio.run(SchedulerServer(cfg).serve())
+    return asyncio.run(SchedulerServer(replace(cfg, model=str(path))).serve())
 
 
 if __name__ == "__main__":

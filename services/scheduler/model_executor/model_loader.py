@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,17 +14,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
-
-
 def resolve_model_path(model_path: str) -> Path:
-    """A local directory as is; otherwise a hub id downloaded (or found in the HF cache)."""
-    if os.path.isdir(model_path):
-        return Path(model_path)
-    from huggingface_hub import snapshot_download
+    """The model directory (ringserve.model_source: a GGUF is converted here if it was not yet)."""
+    from ringserve.model_source import resolve_model
 
-    logger.info("downloading %s from the hub", model_path)
-    return Path(snapshot_download(model_path, allow_patterns=_ALLOW_PATTERNS))
+    return resolve_model(model_path, prepare=True)
 
 
 def load_config(path: Path):

@@ -1,19 +1,39 @@
-"""Model classes by the `architectures` name in a HF config."""
+"""Model classes by the `architectures` name in a HF config.
+
+The table names modules, not classes, so that it can be read without importing torch (the launcher
+checks a model before any service starts); `get_model_class` imports the one it needs.
+"""
 
 from __future__ import annotations
 
-from services.scheduler.models.llama import LlamaForCausalLM
+import importlib
+from typing import TYPE_CHECKING, Any
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+from ringserve.model_source import ModelError
+
+if TYPE_CHECKING:
+    from services.scheduler.models.llama import LlamaForCausalLM
+
+# architectures name -> "module:class"
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
 }
 
 
-def get_model_class(config) -> type[LlamaForCausalLM]:
-    for arch in getattr(config, "architectures", None) or []:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
-    raise ValueError(f"unsupported architectures {config.architectures}; supported: {sorted(MODEL_REGISTRY)}")
+def check_architectures(archs: list[str], model: str) -> str:
+    """The first of `archs` this scheduler serves; ModelError (one line) when none is."""
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch
+    raise ModelError(f"model '{model}' has architectures {archs or '(none in config.json)'}, which this "
+                     f"server does not support; supported: {', '.join(sorted(ARCHITECTURES))}")
+
+
+def get_model_class(config: Any) -> type[LlamaForCausalLM]:
+    arch = check_architectures(list(getattr(config, "architectures", None) or []),
+                               getattr(config, "_name_or_path", "") or "?")
+    module, cls = ARCHITECTURES[arch].split(":")
+    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]

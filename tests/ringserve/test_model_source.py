@@ -1,0 +1,92 @@
+"""What --model accepts, and the one line a model that cannot be served gets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ringserve import model_source
+from ringserve.model_source import ModelError, resolve_model
+from services.scheduler.models import ARCHITECTURES, check_architectures
+
+
+def one_line(e: pytest.ExceptionInfo[ModelError]) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and msg
+    return msg
+
+
+def test_a_model_directory_is_served_as_it_is(model_dir: str) -> None:
+    assert resolve_model(model_dir, prepare=False) == Path(model_dir)
+    assert resolve_model("tiny", prepare=False) == Path(model_dir)  # the built random model by name
+
+
+def test_missing_paths_name_the_path_and_what_is_accepted(tmp_path: Path) -> None:
+    for missing in (tmp_path / "nope", tmp_path / "nope.gguf", "./relative/missing/dir"):
+        with pytest.raises(ModelError) as e:
+            resolve_model(str(missing), prepare=True)
+        assert str(missing) in one_line(e) and "accepted" in str(e.value)
+
+
+def test_files_and_directories_that_are_not_models(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ModelError) as e:
+        resolve_model(str(tmp_path / "notes.txt"), prepare=True)
+    assert "not a .gguf" in one_line(e)
+    with pytest.raises(ModelError) as e:
+        resolve_model(str(tmp_path), prepare=True)
+    assert "no config.json, tokenizer.json or .gguf" in one_line(e)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError) as e:
+        resolve_model(str(tmp_path), prepare=True)
+    assert "not valid JSON" in one_line(e)
+
+
+def test_a_corrupt_gguf_is_refused_before_any_conversion(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ModelError) as e:
+        resolve_model(str(bad), prepare=True)
+    assert "not a GGUF file" in one_line(e)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00")  # a header and nothing else
+    with pytest.raises(ModelError) as e:
+        model_source.convert_gguf(truncated, tmp_path / "out")
+    assert "could not be read as a GGUF checkpoint" in one_line(e)
+    assert not (tmp_path / "out").exists()  # never half a model
+
+
+def test_a_torch_free_service_does_not_convert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 64)
+    monkeypatch.setattr(model_source, "MODELS_DIR", tmp_path / "models")
+    with pytest.raises(ModelError) as e:
+        resolve_model(str(gguf), prepare=False)
+    assert "has not been converted yet" in one_line(e) and "ringserve.model_source" in str(e.value)
+    with pytest.raises(ModelError) as e:  # a directory holding one .gguf is the same checkpoint
+        resolve_model(str(tmp_path), prepare=False)
+    assert "has not been converted yet" in one_line(e)
+
+
+def test_a_hub_id_offline_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelError) as e:
+        resolve_model("someone/some-model", prepare=True)
+    assert "not a local path" in one_line(e) and "someone/some-model" in str(e.value)
+
+
+def test_unsupported_architectures_are_named(model_dir: str, tmp_path: Path) -> None:
+    assert check_architectures(["LlamaForCausalLM"], "m") == "LlamaForCausalLM"
+    with pytest.raises(ModelError) as e:
+        check_architectures(["GPTNeoXForCausalLM"], "m")
+    msg = one_line(e)
+    assert "GPTNeoXForCausalLM" in msg and all(a in msg for a in ARCHITECTURES)
+    other = tmp_path / "neox"
+    shutil.copytree(model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPTNeoXForCausalLM"]}))
+    assert model_source.architectures(resolve_model(str(other), prepare=False)) == ["GPTNeoXForCausalLM"]
