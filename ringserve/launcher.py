@@ -21,7 +21,7 @@ from ringserve import cpu_layout
 from ringserve.config import parse_config
 from ringserve.cpu_layout import CpuLayout
 from ringserve.logs import setup_logging
-from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model
+from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model, with_tokenizer
 from ringserve.process import ServiceProcess, python_cmd
 from ringserve.text_tokenizer import default_model
 
@@ -34,6 +34,8 @@ class LauncherConfig:
 
     model: str = field(default_factory=default_model, metadata={"help": (
         "model directory, .gguf file, smollm2-135m-instruct (default), tiny, or a hub id")})
+    tokenizer_path: str = field(default="", metadata={"help": (
+        "a tokenizer directory to serve the model with instead of its own (or the GGUF's)")})
     host: str = field(default="127.0.0.1", metadata={"help": "address every service binds"})
     gateway_port: int = 30000
     tokenizer_port: int = 50051
@@ -173,7 +175,10 @@ def preflight(cfg: LauncherConfig) -> LauncherConfig:
     from services.scheduler.models import check_architectures  # a torch-free table
 
     with exit_on_model_error():
-        path = require_files(resolve_model(cfg.model, prepare=True), cfg.model, "config.json", "tokenizer.json")
+        path = resolve_model(cfg.model, prepare=True)
+        if cfg.tokenizer_path:
+            path = with_tokenizer(path, cfg.tokenizer_path, prepare=True)
+        require_files(path, cfg.model, "config.json", "tokenizer.json")
         check_architectures(architectures(path), cfg.model)
     return replace(cfg, model=str(path))
 

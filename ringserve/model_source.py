@@ -79,6 +79,37 @@ def resolve_model(model: str, prepare: bool) -> Path:
     return _hub_model(name, weights=prepare)
 
 
+def with_tokenizer(model_dir: Path, tokenizer: str, prepare: bool) -> Path:
+    """`model_dir` served with another tokenizer (SGLang's --tokenizer-path): a directory beside the
+    converted models that links the model's weights and config and copies the tokenizer's files, so
+    every service still reads one directory."""
+    tok_dir = Path(tokenizer).expanduser()
+    if not (tok_dir / "tokenizer.json").exists():
+        raise ModelError(f"tokenizer '{tokenizer}' is not a directory with tokenizer.json")
+    digest = hashlib.sha256(f"{model_dir.resolve()}|{tok_dir.resolve()}".encode())
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).exists():
+            digest.update((tok_dir / name).read_bytes())
+    out = MODELS_DIR / f"{model_dir.name}+{tok_dir.name}-{digest.hexdigest()[:8]}"
+    if (out / CONVERTED_MARK).exists():
+        return out
+    if not prepare:
+        raise ModelError(f"model '{model_dir}' with tokenizer '{tokenizer}' is not prepared yet; run "
+                         f"`python -m ringserve.model_source {model_dir} --tokenizer-path {tokenizer}`")
+    with _building(out) as tmp:
+        for f in model_dir.iterdir():
+            if f.is_file() and f.name not in (*TOKENIZER_FILES, "tokenizer.model", CONVERTED_MARK) \
+                    or f.name in ("config.json", "generation_config.json"):
+                (tmp / f.name).symlink_to(f.resolve())
+        for name in TOKENIZER_FILES:
+            if (tok_dir / name).exists() and name not in ("config.json", "generation_config.json"):
+                shutil.copyfile(tok_dir / name, tmp / name)
+        (tmp / CONVERTED_MARK).write_text(json.dumps({"model": str(model_dir.resolve()),
+                                                      "tokenizer": str(tok_dir.resolve())}))
+    log(f"{model_dir.name} with the tokenizer of {tok_dir}: {out}")
+    return out
+
+
 def served_name(model: str, path: Path) -> str:
     """The name the API serves `model` under: the served directory's name for a local path or one of
     the named models, the repository's name for a hub id (not its cache snapshot's hash)."""
@@ -179,7 +210,8 @@ def _building(out: Path) -> Iterator[Path]:
     try:
         yield tmp
         for f in tmp.iterdir():  # readable by the services' users, as a checked-out model would be
-            f.chmod(0o644)
+            if not f.is_symlink():
+                f.chmod(0o644)
         tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
@@ -316,13 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ringserve.model_source", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
+    ap.add_argument("--tokenizer-path", default=None,
+                    help="serve the model with this tokenizer directory instead of its own (or the GGUF's)")
     ap.add_argument("--out", type=Path, default=None,
                     help="also copy the prepared model directory here (container images)")
     args = ap.parse_args(argv)
     with exit_on_model_error():
         path = resolve_model(args.model or DEFAULT_MODEL, prepare=True)
+        if args.tokenizer_path:
+            path = with_tokenizer(path, args.tokenizer_path, prepare=True)
         if args.out is not None and args.out.resolve() != path.resolve():
-            shutil.copytree(path, args.out, dirs_exist_ok=True)
+            shutil.copytree(path, args.out, dirs_exist_ok=True)  # links followed: a self-contained copy
             path = args.out
     print(path, flush=True)
     return 0

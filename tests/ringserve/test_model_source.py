@@ -90,3 +90,27 @@ def test_unsupported_architectures_are_named(model_dir: str, tmp_path: Path) -> 
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPTNeoXForCausalLM"]}))
     assert model_source.architectures(resolve_model(str(other), prepare=False)) == ["GPTNeoXForCausalLM"]
+
+
+def test_a_tokenizer_directory_replaces_the_models_own(model_dir: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_source, "MODELS_DIR", tmp_path / "models")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(model_dir) / name, tok / name)
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{{ 'from the tokenizer dir' }}"}))
+    with pytest.raises(ModelError) as e:
+        model_source.with_tokenizer(Path(model_dir), str(tok), prepare=False)
+    assert "--tokenizer-path" in one_line(e)
+    out = model_source.with_tokenizer(Path(model_dir), str(tok), prepare=True)
+    assert model_source.with_tokenizer(Path(model_dir), str(tok), prepare=False) == out  # prepared once
+    assert (out / "config.json").resolve() == (Path(model_dir) / "config.json").resolve()  # the model's own
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == "{{ 'from the tokenizer dir' }}"
+    from ringserve.text_tokenizer import TextTokenizer
+    assert TextTokenizer.from_model(str(out)).apply_chat_template([{"role": "user", "content": "x"}]) \
+        == "from the tokenizer dir"
+    with pytest.raises(ModelError) as e:
+        model_source.with_tokenizer(Path(model_dir), str(tmp_path / "nothing"), prepare=True)
+    assert "tokenizer.json" in one_line(e)
