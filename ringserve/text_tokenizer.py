@@ -107,11 +107,11 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        return _clean_up(text) if self.clean_up_tokenization_spaces else text
+        return clean_up(text) if self.clean_up_tokenization_spaces else text
 
     def decode_batch(self, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         texts = self.tokenizer.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
-        return [_clean_up(t) for t in texts] if self.clean_up_tokenization_spaces else texts
+        return [clean_up(t) for t in texts] if self.clean_up_tokenization_spaces else texts
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each id decoded alone (what OpenAI logprobs call a token)."""
@@ -164,11 +164,16 @@ def _added_tokens(tok: Tokenizer) -> list[Any]:
     return list(decoder.values())
 
 
-def _clean_up(text: str) -> str:
+# transformers' clean_up_tokenization, in its order. Every pattern starts with a space and every rewrite
+# only deletes spaces (the detokenizer's streaming clean-up relies on both).
+CLEANUP_RULES = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def clean_up(text: str) -> str:
     """transformers' clean_up_tokenization, for tokenizers that ask for it."""
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-        text = text.replace(a, b)
+    for pattern, repl in CLEANUP_RULES:
+        text = text.replace(pattern, repl)
     return text
 
 

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ringserve.text_tokenizer import TextTokenizer
+from ringserve.text_tokenizer import CLEANUP_RULES, TextTokenizer, clean_up
 
 REPLACEMENT = "\ufffd"
 # A window that keeps ending in U+FFFD (invalid UTF-8, i.e. garbage output) is committed anyway
@@ -42,20 +42,8 @@ REPLACEMENT = "\ufffd"
 MAX_WINDOW = 256
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
-# transformers' clean_up_tokenization, in its order (ringserve.text_tokenizer._clean_up applies the same
-# rules; tests/detokenizer/test_real_tokenizers.py checks that they agree). Every pattern starts with a
-# space and every rewrite only deletes spaces, which is what CleanUpStream relies on.
-CLEANUP_RULES = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 # The last characters of the patterns' proper prefixes (" ", " n", " n'", " '", " 'v", " 'r").
 _CLEANUP_OPEN = frozenset(p[k - 1] for p, _ in CLEANUP_RULES for k in range(1, len(p)))
-
-
-def clean_up(text: str) -> str:
-    """The whole clean-up, as TextTokenizer.decode applies it."""
-    for pattern, repl in CLEANUP_RULES:
-        text = text.replace(pattern, repl)
-    return text
 
 
 def _cleanup_safe_end(text: str) -> bool:

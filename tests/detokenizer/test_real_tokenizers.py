@@ -33,14 +33,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from ringserve.message import DecodeParams, Finish, SamplingParams, TextDelta
-from ringserve.text_tokenizer import TextTokenizer, _clean_up
-from services.detokenizer.decode_state import (
-    CLEANUP_RULES,
-    MAX_WINDOW,
-    CleanUpStream,
-    byte_fallback_ids,
-    clean_up,
-)
+from ringserve.text_tokenizer import CLEANUP_RULES, TextTokenizer, clean_up
+from services.detokenizer.decode_state import MAX_WINDOW, CleanUpStream, byte_fallback_ids
 from services.detokenizer.detokenizer import Detokenizer
 from tests.real_tokenizers import PACKAGES, REQUIRE_ENV, RealTokenizerUnavailable, real_tokenizer_dir
 
@@ -316,9 +310,8 @@ cleanup_text = st.text(alphabet=" .?!,'ntmsvrea\n", max_size=40)
 @given(text=cleanup_text, cuts=st.lists(st.integers(0, 40), max_size=8))
 @example(text="a ' ' ' b  n ' t x  ' m don 't I 'm", cuts=list(range(40)))  # rewrites that cascade
 def test_cleanup_stream_equals_clean_up(text: str, cuts: list[int]) -> None:
-    """The detokenizer's copy of the rules is TextTokenizer's, and cleaning in pieces is cleaning the whole."""
-    assert clean_up(text) == _clean_up(text)
+    """Cleaning in pieces is cleaning the whole."""
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     stream = CleanUpStream()
     pieces = [stream.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
-    assert "".join(pieces) + stream.finish("") == _clean_up(text)
+    assert "".join(pieces) + stream.finish("") == clean_up(text)
