@@ -17,11 +17,10 @@ from gateway import metrics as metrics_mod
 from gateway import native_routes, openai_routes
 from gateway.auth import ApiKeyMiddleware
 from gateway.backend import Backend
-from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, install_handlers
-from gateway.json_body import JsonBodyMiddleware
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.request_body import BodyLimitMiddleware, JsonBodyMiddleware
 from gateway.state import GatewayState
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,10 @@
-"""Refuse request bodies over --max-body-bytes with 413, by Content-Length and while streaming in.
+"""How the gateway takes a request body: as JSON whatever the Content-Type, and within a size limit.
 
+JsonBodyMiddleware: `curl URL -d '{...}'` sends `application/x-www-form-urlencoded`; SGLang's and vLLM's
+users call the native API exactly that way, and FastAPI would otherwise refuse to parse the body as
+the request model. Every route here takes JSON only, so the header carries no information.
+
+BodyLimitMiddleware: bodies over --max-body-bytes get 413, by Content-Length and while streaming in.
 The declared length is checked before anything is read; a chunked or lying body is counted as it
 arrives, and once it passes the limit the app's (400) answer is replaced with the 413.
 """
@@ -9,6 +14,17 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError
+
+
+class JsonBodyMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT"):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 class BodyTooLarge(Exception):
