@@ -110,11 +110,11 @@ def with_tokenizer(model_dir: Path, tokenizer: str, prepare: bool) -> Path:
     return out
 
 
-def served_name(model: str, path: Path) -> str:
-    """The name the API serves `model` under: the served directory's name for a local path or one of
-    the named models, the repository's name for a hub id (not its cache snapshot's hash)."""
-    local = model in (DEFAULT_MODEL, *BUILT) or Path(model).expanduser().exists()
-    return path.name if local else model.rstrip("/").rsplit("/", 1)[-1]
+def served_name(model: str) -> str:
+    """The name the API serves `model` under when none is given: the last part of what --model names
+    (a directory's name, a GGUF file's stem, a hub id's repository)."""
+    last = model.rstrip("/").rsplit("/", 1)[-1]
+    return last.removesuffix(".gguf") or model
 
 
 def _check_dir(path: Path) -> Path:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
-from pathlib import Path
 
 from ringserve.logs import setup_logging
-from ringserve.model_source import exit_on_model_error, require_files, resolve_model, served_name
+from ringserve.model_source import exit_on_model_error, require_files, resolve_model
 
 from .config import TokenizerConfig, load_config
 from .server import TokenizerServer
@@ -20,12 +18,8 @@ async def run(cfg: TokenizerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
-    with exit_on_model_error():
-        path = require_files(resolve_model(cfg.model, prepare=False), cfg.model, "tokenizer.json")
-    # Unless a name was given, the served name follows what is served (config derived it from --model).
-    named = cfg.served_model_name != Path(cfg.model.rstrip("/")).name
-    cfg = replace(cfg, model=str(path),
-                  served_model_name=cfg.served_model_name if named else served_name(cfg.model, path))
+    with exit_on_model_error():  # a model that cannot be served: one line, before anything starts
+        require_files(resolve_model(cfg.model, prepare=False), cfg.model, "tokenizer.json")
     setup_logging("tokenizer", cfg.log_level)
     asyncio.run(run(cfg))
 

@@ -6,9 +6,9 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ringserve.config import parse_config
+from ringserve.model_source import served_name
 from ringserve.text_tokenizer import default_model
 from ringserve.tls import TlsConfig
 
@@ -69,7 +69,7 @@ class TokenizerConfig(TlsConfig):
         if not self.tokenizer_id:
             object.__setattr__(self, "tokenizer_id", default_tokenizer_id())
         if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", Path(self.model.rstrip("/")).name or self.model)
+            object.__setattr__(self, "served_model_name", served_name(self.model))
 
     @property
     def address(self) -> str:
