@@ -32,24 +32,22 @@ def _shared_fields(cls: type, pb_cls: type[Message]) -> tuple[tuple[str, int], .
     return shared
 
 
-def fields_from_pb(cls: type[T], pb: Message, **overrides: Any) -> T:
+def fields_from_pb(cls: type[T], pb: Message) -> T:
     """cls(**fields of pb); a field the message does not have keeps the dataclass default."""
     kwargs: dict[str, Any] = {}
     for name, kind in _shared_fields(cls, type(pb)):
-        if name in overrides:
-            continue
         if kind == _REPEATED:
             kwargs[name] = tuple(getattr(pb, name))
         elif kind == _PLAIN or pb.HasField(name):  # an unset optional keeps the default
             kwargs[name] = getattr(pb, name)
-    return cls(**kwargs, **overrides)
+    return cls(**kwargs)
 
 
-def fields_to_pb(obj: Any, pb_cls: type[Message], skip: tuple[str, ...] = ()) -> Any:
+def fields_to_pb(obj: Any, pb_cls: type[Message]) -> Any:
     """pb_cls with every field of obj that the message has; None leaves an optional field unset."""
     kwargs: dict[str, Any] = {}
     for name, _ in _shared_fields(type(obj), pb_cls):
         value = getattr(obj, name)
-        if value is not None and name not in skip:
+        if value is not None:
             kwargs[name] = value
     return pb_cls(**kwargs)

@@ -54,15 +54,6 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
-    def constraint(self) -> tuple[str, str] | None:
-        """(field name, value) of the output constraint, if any."""
-        for name in CONSTRAINTS:
-            value = getattr(self, name)
-            if value is not None:
-                return name, value
-        return None
-
-    @property
     def max_tokens(self) -> int:
         """max_new_tokens as the scheduler applies it. Intake always resolves it; only an in-process
         caller that never went through a tokenizer leaves it unset and gets the default."""

@@ -6,8 +6,7 @@ detokenizer `detokenize_s` and the ring hops, the tokenizer the rest.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass
 
 from ringserve.message.codec import fields_from_pb, fields_to_pb
 from ringserve.v1 import common_pb2
@@ -25,24 +24,9 @@ class Timings:
     ttft_s: float = 0.0           # tokenizer: arrival until the first output token
     e2e_s: float = 0.0            # tokenizer: arrival until finished
 
-    def with_(self, **changes: float) -> Timings:
-        return replace(self, **changes)
-
-    def measured(self) -> dict[str, float]:
-        """The fields that were measured (non-zero), for JSON."""
-        return {k: v for k, v in asdict(self).items() if v}
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
     @classmethod
     def from_pb(cls, pb: common_pb2.Timings) -> Timings:
         return fields_from_pb(cls, pb)
 
     def to_pb(self) -> common_pb2.Timings:
         return fields_to_pb(self, common_pb2.Timings)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Timings:
-        return cls(**{k: float(v) for k, v in d.items() if k in cls.names()})

@@ -193,10 +193,10 @@ class TokenizerManager:
                      s.finish.type if s.finish else "?", s.num_ids, out.e2e_latency)
             if req.return_timings:
                 # The scheduler's and detokenizer's fields came with the finish; these are ours.
-                timings = (s.timings or Timings()).with_(tokenize_s=tokenize_s, ring_hops_s=s.ring_hops_s,
+                timings = replace(s.timings or Timings(), tokenize_s=tokenize_s, ring_hops_s=s.ring_hops_s,
                                                          e2e_s=out.e2e_latency)
                 if s.first_token_at is not None:
-                    timings = timings.with_(ttft_s=s.first_token_at - arrived)
+                    timings = replace(timings, ttft_s=s.first_token_at - arrived)
                 out.timings = timings
         return out
 

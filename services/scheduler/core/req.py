@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from ringserve.message import Finish, SamplingParams, Timings
-from ringserve.v1 import scheduler_pb2
+from ringserve.message import Finish, SamplingParams, Timings, TokenizedReq
 
 TopLogprobs = list[tuple[int, float]]                          # (token id, logprob), most likely first
 PromptLogprob = tuple[int, float, TopLogprobs | None]          # (token id, logprob, alternatives)
@@ -108,13 +107,12 @@ class Req:
             self.timings.arrival = time.monotonic()
 
     @classmethod
-    def from_pb(cls, pb: scheduler_pb2.TokenizedRequest, owner: str) -> Req:
-        """A request from a tokenizer replica's Connect stream (`owner` when the message has none)."""
-        return cls(rid=pb.rid, owner=pb.owner or owner, origin_input_ids=list(pb.input_ids),
-                   params=SamplingParams.from_pb(pb.sampling_params), stream=pb.stream,
-                   return_logprob=pb.return_logprob, top_logprobs_num=pb.top_logprobs_num,
-                   logprob_start_len=pb.logprob_start_len if pb.HasField("logprob_start_len") else -1,
-                   timings=ReqTimings(arrival=time.monotonic(), sent_at=pb.sent_at, arrived_at=time.time()))
+    def from_tokenized(cls, t: TokenizedReq, owner: str) -> Req:
+        """The scheduler's state for a request from a tokenizer replica (`owner` when it names none)."""
+        return cls(rid=t.rid, owner=t.owner or owner, origin_input_ids=t.input_ids, params=t.sampling,
+                   stream=t.stream, return_logprob=t.return_logprob, top_logprobs_num=t.top_logprobs_num,
+                   logprob_start_len=t.logprob_start_len,
+                   timings=ReqTimings(arrival=time.monotonic(), sent_at=t.sent_at, arrived_at=time.time()))
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""SchedulerService over gRPC: protobuf in (`Req.from_pb`), the engine, protobuf out; nothing else.
+"""SchedulerService over gRPC: protobuf in (`TokenizedReq.from_pb`), the engine, protobuf out; nothing else.
 
 Connect: one bidi stream per tokenizer replica. Requests and aborts go to the engine's intake;
 LoadReports (after the hello and every interval) and Rejections go back. When the stream ends, every
@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from ringserve.errors import InvalidArgument, ServiceError, Unavailable
+from ringserve.message import TokenizedReq
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.core.engine import Engine
 from services.scheduler.core.req import Req
@@ -83,7 +84,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             try:
                 if self.draining:
                     raise Unavailable("the scheduler is shutting down")
-                engine.submit(Req.from_pb(pb, owner))
+                engine.submit(Req.from_tokenized(TokenizedReq.from_pb(pb), owner))
             except ServiceError as e:  # the inbox refuses what cannot be served; the status goes back
                 log.info("rid=%s rejected: %s", pb.rid, e.message)
                 rejections.append(scheduler_pb2.Rejection(rid=pb.rid, status_code=e.code.value[0], message=e.message))
