@@ -7,6 +7,7 @@ the reassembled calls equal the whole-text parse (and markup never shows up in t
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from typing import Any
@@ -17,10 +18,12 @@ from services.tokenizer.parsers import (
     TOOL_PARSERS,
     ToolCallDelta,
     ToolCallParser,
+    detect_reasoning_parser,
     detect_tool_parser,
     make_tool_parser,
 )
 from services.tokenizer.parsers.tool_calls import assemble_calls
+from tests.real_tokenizers import REQUIRE_ENV, RealTokenizerUnavailable, real_tokenizer_dir
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -467,3 +470,15 @@ def test_random_mixes_cut_at_random_match_parse() -> None:
         whole = make_tool_parser(name, TOOLS).parse(text)
         content, deltas = _stream(make_tool_parser(name, TOOLS), chunks)
         assert (content, _calls(assemble_calls(deltas))) == (whole.content, _calls(whole.calls)), (name, chunks)
+
+
+def test_detect_on_the_real_qwen3_template() -> None:
+    """The whole Qwen3 chat template as shipped (tokenizer_config.json): hermes calls, qwen3 reasoning."""
+    try:
+        model = real_tokenizer_dir("qwen3")
+    except RealTokenizerUnavailable as e:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(f"real tokenizer qwen3 unavailable: {e}")
+        pytest.skip(f"real tokenizer qwen3 unavailable: {e}")
+    template = json.loads((model / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+    assert (detect_tool_parser(template), detect_reasoning_parser(template)) == ("hermes", "qwen3")
