@@ -35,6 +35,10 @@ def test_error_mapping() -> None:
     e = from_status(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.max_new_tokens: too large", OPENAI_PARAMS)
     assert (e.status, e.param, e.body()["error"]["type"]) == (400, "max_tokens", "invalid_request_error")
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "bad things happened").param is None
+    e = from_status(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.stop_regex[1]: bad", OPENAI_PARAMS)
+    assert e.param == "stop_regex[1]"
+    no_map = from_status(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.stop[0]: x")
+    assert no_map.param == "sampling_params.stop[0]"
     assert from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "full").headers == {"Retry-After": "1"}
     assert from_status(grpc.StatusCode.UNAVAILABLE, "x").status == 503
     assert from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "x").status == 504
