@@ -164,10 +164,13 @@ def test_logit_bias_forces_greedy_and_leaves_unbiased_rows_alone() -> None:
     info = build(params)
     assert not info.fast_greedy and info.bias_index is not None
     assert info.bias_index.tolist() == [1 * V + forced, 3 * V + 3]  # only the biased rows' entries
+    raw = logits.clone()
     out = sample(logits, info, [True] * 4, [0] * 4)
     assert out.next_token_ids[:3] == [want[0], forced, want[2]]
+    assert logits[1, forced] == raw[1, forced] + 100.0  # added in place: no copy of the whole batch
+    assert torch.equal(logits[0], raw[0]) and torch.equal(logits[2], raw[2])
     # Logprobs stay the raw distribution's (vLLM's default), not the biased one's.
-    assert math.isclose(out.logprobs[1], float(torch.log_softmax(logits[1], -1)[forced]), abs_tol=1e-5)
+    assert math.isclose(out.logprobs[1], float(torch.log_softmax(raw[1], -1)[forced]), abs_tol=1e-5)
 
 
 def test_logit_bias_minus_100_bans_a_token() -> None:
@@ -176,7 +179,7 @@ def test_logit_bias_minus_100_bans_a_token() -> None:
     params = [SamplingParams(temperature=0.0, logit_bias=((5, -100.0),)),
               SamplingParams(temperature=1.0, seed=7, logit_bias=((5, -100.0), (9, 2.0)))]
     for _ in range(50):
-        out = sample(logits, build(params), [False, False], [0, 0]).next_token_ids
+        out = sample(logits.clone(), build(params), [False, False], [0, 0]).next_token_ids
         assert 5 not in out
     unbiased = [SamplingParams(temperature=1.0, seed=7)]
     assert 5 in [sample(logits[:1], build(unbiased), [False], [0]).next_token_ids[0] for _ in range(20)]
@@ -187,7 +190,7 @@ def test_logit_bias_added_after_penalties_and_before_the_min_tokens_mask() -> No
     p = SamplingParams(temperature=0.0, repetition_penalty=1.5, min_new_tokens=3,
                        logit_bias=((2, 50.0), (4, 100.0)))
     info = build([p], prompt_ids=[[2, 3]], stop_ids=[{4}])
-    got = apply_penalties(logits, info)
+    got = apply_penalties(logits.clone(), info)
     want = logits.clone()
     want[0, 2] = (want[0, 2] / 1.5 if want[0, 2] > 0 else want[0, 2] * 1.5) + 50.0
     want[0, 3] = want[0, 3] / 1.5 if want[0, 3] > 0 else want[0, 3] * 1.5

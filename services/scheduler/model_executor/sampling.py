@@ -140,7 +140,9 @@ class SamplingBatchInfo:
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """logits: [B, V] float32 (not modified). Penalties, logit_bias, then the min_new_tokens mask."""
+    """logits: [B, V] float32. Penalties, logit_bias, then the min_new_tokens mask. The penalties make a
+    new tensor; logit_bias is added in place (into logits itself when there are no penalties): a
+    copy of the whole [B, V] for a few entries would make every row pay for the biased ones."""
     raw = logits
     if info.rep_penalties is not None:
         assert info.rep_mask is not None  # built together with rep_penalties
@@ -151,8 +153,8 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
         logits = logits - (info.freq_penalties * info.counts + info.pres_penalties * (info.counts > 0).float())
     if info.bias_index is not None:
         assert info.bias_values is not None  # built together with bias_index
-        # Out of place: the raw logits stay for the logprobs. [B, V] -> [B * V] -> [B, V].
-        logits = logits.reshape(-1).index_add(0, info.bias_index, info.bias_values).view(logits.shape)
+        logits = logits.contiguous()  # a no-op for the model's logits; the flat view below needs it
+        logits.view(-1).index_add_(0, info.bias_index, info.bias_values)  # [B * V] view of [B, V]
     if info.min_token_mask:
         if logits is raw:
             logits = logits.clone()
@@ -197,11 +199,18 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
     return out
 
 
+# The model's logits are inference tensors (the runner runs under inference_mode): the in-place
+# logit_bias add is only allowed on them inside it, and nothing here needs autograd anyway.
+@torch.inference_mode()
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[bool],
            top_logprobs_num: list[int], argmax: Callable[[torch.Tensor], list[int]] | None = None) -> SampleOutput:
-    """logits: [B, V] float32 raw model output. argmax: a faster torch.argmax(logits, -1).tolist() (the
-    C kernel's, on CPU), for an all-greedy batch."""
+    """logits: [B, V] float32 raw model output, the caller's to spend: logit_bias is added into it in
+    place (the logprobs are taken first). argmax: a faster torch.argmax(logits, -1).tolist() (the C
+    kernel's, on CPU), for an all-greedy batch."""
     bs = logits.shape[0]
+    want = [i for i in range(bs) if return_logprob[i] or top_logprobs_num[i] > 0]
+    # [W, V] log-probabilities of the raw logits, before anything below edits them.
+    lp = torch.log_softmax(logits[want].float(), dim=-1) if want else None
     if info.fast_greedy:
         next_ids = argmax(logits) if argmax is not None else logits.argmax(-1).tolist()
     else:
@@ -222,9 +231,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[b
                 next_ids[i] = t
     logprobs: list[float | None] = [None] * bs
     tops: list[list[tuple[int, float]] | None] = [None] * bs
-    want = [i for i in range(bs) if return_logprob[i] or top_logprobs_num[i] > 0]
-    if want:
-        lp = torch.log_softmax(logits[want].float(), dim=-1)  # [W, V] from the raw logits
+    if lp is not None:
         chosen = lp.gather(1, torch.tensor([next_ids[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
         k = max(top_logprobs_num[i] for i in want)
         top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (None, None))
