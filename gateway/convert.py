@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import grpc
@@ -34,6 +35,7 @@ CHAT_PARAMS = {**OPENAI_PARAMS, "top_logprobs_num": "top_logprobs",
 
 
 _SAMPLING_PB_FIELDS = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+_TOKEN_KEY = re.compile(r"-?[0-9]+")
 
 
 def sampling_pb(req: BaseModel, **renamed: Any) -> common_pb2.SamplingParams:
@@ -46,11 +48,27 @@ def sampling_pb(req: BaseModel, **renamed: Any) -> common_pb2.SamplingParams:
     for name, value in values.items():
         if value is None:
             continue
-        if _SAMPLING_PB_FIELDS[name].is_repeated:
+        if name == "logit_bias":
+            sp.logit_bias.update(logit_bias_ids(value))
+        elif _SAMPLING_PB_FIELDS[name].is_repeated:
             getattr(sp, name).extend([value] if isinstance(value, str) else value)  # stop: one string or a list
         else:
             setattr(sp, name, value)
     return sp
+
+
+def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) with int keys; the tokenizer checks the ids
+    against the vocabulary and the values' range. A key that is no int32 is a 400 here."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not _TOKEN_KEY.fullmatch(key):  # int() alone would also take " 5", "1_0" and non-ASCII digits
+            raise GatewayError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias")
+        token = int(key)
+        if not -(2**31) <= token < 2**31:
+            raise GatewayError(400, f"logit_bias: token id {token} is out of range", param="logit_bias")
+        out[token] = value
+    return out
 
 
 def sampling_from_openai(req: SamplingExtras, max_tokens: int | None) -> common_pb2.SamplingParams:

@@ -67,7 +67,10 @@ def from_status(code: grpc.StatusCode, message: str, param_map: dict[str, str] |
     if code == grpc.StatusCode.INVALID_ARGUMENT and ": " in message:
         field = message.split(": ", 1)[0]
         if field and " " not in field:
-            param = (param_map or {}).get(field, field)
+            # An element ("sampling_params.stop[1]") maps as its list does: "stop[1]" for OpenAI.
+            base, bracket, index = field.partition("[")
+            names = param_map or {}
+            param = names.get(field) or (names[base] + bracket + index if bracket and base in names else field)
     headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else None
     return GatewayError(status, message, type_, param, code.name.lower(), headers)
 

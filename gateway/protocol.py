@@ -74,6 +74,9 @@ class SamplingFields(_Request):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # OpenAI's shape: token ids as JSON object keys (strings); convert.sampling_pb makes them ints.
+    logit_bias: dict[str, float] | None = None
+    stop_regex: str | list[str] | None = None
 
 
 class SamplingExtras(SamplingFields):

@@ -18,6 +18,7 @@ class Finish:
     matched_str: str | None = None
     message: str = ""
     status: grpc.StatusCode = grpc.StatusCode.OK  # for aborts: how the call ends; OK is a clean abort
+    trim_chars: int | None = None     # a stop_regex finish: characters to cut from the end of the text
 
     @classmethod
     def abort(cls, status: grpc.StatusCode, message: str) -> Finish:
@@ -29,6 +30,8 @@ class Finish:
             pb.matched_token = self.matched_token
         elif self.matched_str is not None:
             pb.matched_str = self.matched_str
+        if self.trim_chars is not None:
+            pb.trim_chars = self.trim_chars
         return pb
 
     @classmethod
@@ -37,4 +40,5 @@ class Finish:
         return cls(type=pb.type or "stop",
                    matched_token=pb.matched_token if which == "matched_token" else None,
                    matched_str=pb.matched_str if which == "matched_str" else None,
-                   message=pb.message, status=status_of(pb.status_code))
+                   message=pb.message, status=status_of(pb.status_code),
+                   trim_chars=pb.trim_chars if pb.HasField("trim_chars") else None)

@@ -40,6 +40,11 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # (token id, bias) sorted by id: added to the logits before sampling (sampling.py builds one sparse
+    # tensor of a batch's biases). A tuple, not a dict: the dataclass is frozen and compared.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Stop patterns (Python `re`); the scheduler searches the output's tail (ringserve/stop_regex.py).
+    stop_regex: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.top_k == 0:

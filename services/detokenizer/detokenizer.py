@@ -4,7 +4,7 @@ Knows nothing of gRPC: it works on the shared `ringserve.message` types, and the
 at the edge (`StepBatch.from_pb` in, `OwnerBatch.to_pb` out). Per step it
   1. folds each TokenDelta into its request's state (new, resync, dedup by offset, unknown rid),
   2. decodes the new ids of every request in the step with batched decode calls,
-  3. gates the text through the request's stop-string trimmer,
+  3. gates the text through the request's stop-string (and stop_regex) trimmer,
   4. groups the resulting TextDeltas by owner (one OwnerBatch per owner per step),
 and frees a request's state as soon as it finishes or is aborted.
 """
@@ -136,7 +136,7 @@ class Detokenizer:
         # transformers' and vLLM's fast paths do; it travels in SamplingParams for the API only.
         sp = params.sampling
         return RequestState(rid=rid, params=params, decode=DecodeState(skip_special_tokens=sp.skip_special_tokens),
-                            stop=StopTrimmer(sp.stop, sp.no_stop_trim))
+                            stop=StopTrimmer(sp.stop, sp.no_stop_trim, sp.stop_regex))
 
     # -- emitting text ---------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class Detokenizer:
         if fin is None:
             text = st.stop.feed(text)
         else:
-            text = st.stop.finish(text, fin.matched_str, st.rid)
+            text = st.stop.finish(text, fin.matched_str, st.rid, fin.trim_chars)
             self.states.pop(st.rid, None)
         token_offset = st.n_ids - len(ids)
         input_logprobs = delta.input_logprobs

@@ -9,11 +9,18 @@ text at or past a stop:
     min_new_tokens), so it is released;
   - on a `matched_str` finish the unsent text is cut at the first occurrence of the matched string
     (keeping it when no_stop_trim); on any other finish everything held is released.
+stop_regex patterns (ringserve/stop_regex.py) take the same path with two differences: `re` cannot say
+whether a text could still grow into a match, so while running the last `span` characters (the
+longest text a pattern can match, capped at stop_regex.LOOKBACK_CHARS) are held back whatever they
+are; and a pattern's finish carries `trim_chars`, how much to cut from the end of the output text
+(the scheduler ran the pattern; no pattern runs here).
 """
 
 from __future__ import annotations
 
 import logging
+
+from ringserve import stop_regex
 
 log = logging.getLogger(__name__)
 
@@ -34,28 +41,35 @@ def held_suffix_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 class StopTrimmer:
-    """Per-request text gate for stop strings."""
+    """Per-request text gate for stop strings and stop_regex patterns."""
 
-    __slots__ = ("stops", "no_stop_trim", "held")
+    __slots__ = ("stops", "patterns", "pattern_hold", "no_stop_trim", "held")
 
-    def __init__(self, stops: tuple[str, ...], no_stop_trim: bool) -> None:
+    def __init__(self, stops: tuple[str, ...], no_stop_trim: bool, patterns: tuple[str, ...] = ()) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.patterns = patterns
+        self.pattern_hold = stop_regex.max_span(patterns)  # characters held back for the patterns
         self.no_stop_trim = no_stop_trim
         self.held = ""
 
     def feed(self, text: str) -> str:
         """Text that can be sent now, given new committed text of a running request."""
-        if not self.stops:
+        if not self.stops and not self.pattern_hold:
             return text
         buf = self.held + text
-        keep = held_suffix_len(buf, self.stops)
+        keep = max(held_suffix_len(buf, self.stops), min(len(buf), self.pattern_hold))
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]
 
-    def finish(self, text: str, matched_str: str | None, rid: str = "") -> str:
-        """The rest of the text at finish: cut at the matched stop string when there is one."""
+    def finish(self, text: str, matched_str: str | None, rid: str = "", trim_chars: int | None = None) -> str:
+        """The rest of the text at finish: cut at the matched stop string, or `trim_chars` from the end
+        for a stop_regex finish."""
         buf = self.held + text
         self.held = ""
+        if trim_chars is not None:
+            if trim_chars > len(buf):  # a match longer than what was held: its start went out already
+                log.warning("rid=%s stop_regex match starts in text already sent; cut what is unsent", rid)
+            return buf[:max(0, len(buf) - trim_chars)]
         if not matched_str:
             return buf
         cut = buf.find(matched_str)

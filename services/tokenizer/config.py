@@ -39,8 +39,8 @@ class TokenizerConfig(TlsConfig):
     tokenizer_id: str = field(default="", metadata={"help": "replica id (default: hostname-pid-random)"})
     served_model_name: str = field(default="", metadata={"help": "model name (default: basename of model)"})
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request)"})
-    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
-    max_stop_len: int = field(default=256, metadata={"help": "longest stop string (characters)"})
+    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings (and stop_regex) per request"})
+    max_stop_len: int = field(default=256, metadata={"help": "longest stop string or stop_regex pattern (characters)"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs_num"})
     detokenizer_grace_s: float = field(
         default=30.0, metadata={"help": "fail in-flight requests after this long without a detokenizer"})

@@ -17,6 +17,7 @@ from typing import Protocol
 from ringserve.errors import InvalidArgument, NotFound
 from ringserve.message import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from ringserve.message.sampling import CONSTRAINTS
+from ringserve.stop_regex import problem as stop_regex_problem
 from ringserve.text_tokenizer import ChatTemplateError
 
 from .io_struct import GenerateInput
@@ -36,8 +37,8 @@ class ModelTokenizer(Protocol):
 class Limits:
     served_model_name: str
     max_n: int = 16
-    max_stop_strings: int = 16
-    max_stop_len: int = 256
+    max_stop_strings: int = 16        # stop strings, and separately stop_regex patterns
+    max_stop_len: int = 256           # characters of a stop string or a stop_regex pattern
     max_top_logprobs: int = 20
 
 
@@ -85,6 +86,21 @@ def check_sampling(sp: SamplingParams, vocab_size: int, limits: Limits) -> None:
             raise InvalidArgument(_sp(f"stop[{i}]"), "must not be empty")
         if len(s) > limits.max_stop_len:
             raise InvalidArgument(_sp(f"stop[{i}]"), f"longer than {limits.max_stop_len} characters")
+    if len(sp.stop_regex) > limits.max_stop_strings:
+        raise InvalidArgument(_sp("stop_regex"),
+                              f"at most {limits.max_stop_strings} patterns, got {len(sp.stop_regex)}")
+    for i, pattern in enumerate(sp.stop_regex):
+        if len(pattern) > limits.max_stop_len:
+            raise InvalidArgument(_sp(f"stop_regex[{i}]"), f"longer than {limits.max_stop_len} characters")
+        why = stop_regex_problem(pattern)
+        if why is not None:
+            raise InvalidArgument(_sp(f"stop_regex[{i}]"), why)
+    # OpenAI's range. The keys are checked against the vocabulary: the sampler indexes the logits by them.
+    for token, bias in sp.logit_bias:
+        if not (0 <= token < vocab_size):
+            raise InvalidArgument(_sp("logit_bias"), f"token id {token} is outside [0, {vocab_size})")
+        if not (-100 <= bias <= 100):
+            raise InvalidArgument(_sp("logit_bias"), f"bias of token {token} must be in [-100, 100], got {bias}")
     for i, t in enumerate(sp.stop_token_ids):
         if not (0 <= t < vocab_size):
             raise InvalidArgument(_sp(f"stop_token_ids[{i}]"), f"{t} is outside [0, {vocab_size})")

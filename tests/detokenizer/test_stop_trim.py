@@ -1,4 +1,4 @@
-"""Stop strings: hold back, trim at the match, never send text past a stop."""
+"""Stop strings and stop_regex: hold back, trim at the match, never send text past a stop."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ from conftest import run_request, split  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringserve import stop_regex
 from ringserve.message import DecodeParams, Finish, SamplingParams, TextDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.detokenizer.detokenizer import Detokenizer
 from services.detokenizer.stop_trim import StopTrimmer, held_suffix_len
+from services.scheduler.core.finish import FinishChecker
+from services.scheduler.core.req import Req
 
 
 def scheduler_stop(tok: TextTokenizer, ids: list[int], stops: list[str]) -> tuple[list[int], Finish, str]:
@@ -110,3 +113,57 @@ def test_stop_property(tiny_tok: TextTokenizer, text: str, stops: list[str], siz
         s = finish.matched_str
         want = full[:full.find(s) + (len(s) if keep else 0)]
         assert got == want
+
+
+# -- stop_regex: the scheduler's FinishChecker decides, the trimmer holds back and cuts ----------------
+
+
+def regex_stream(tok: TextTokenizer, text: str, patterns: list[str], sizes: list[int] | None = None,
+                 no_stop_trim: bool = False, stream_: bool = True) -> tuple[list[TextDelta], Finish, str]:
+    """The real scheduler finish check over the ids of `text`, then the detokenizer over the kept ids."""
+    sp = SamplingParams(stop_regex=tuple(patterns), no_stop_trim=no_stop_trim, max_new_tokens=1000)
+    checker = FinishChecker(tok, eos_token_ids=[], max_seq_len=100_000)
+    req = Req("r", [0], sp)
+    finish = Finish("length")
+    for t in tok.encode(text, add_special_tokens=False):
+        req.output_ids.append(t)
+        fin = checker.check(req)
+        if fin is not None:
+            finish = fin
+            break
+    params = DecodeParams(owner="o", stream=stream_, sampling=sp)
+    deltas = run_request(Detokenizer(tok), split(req.output_ids, sizes or [1]), params, finish)
+    return deltas, finish, tok.decode(req.output_ids)
+
+
+def test_regex_match_across_tokens_is_cut_at_its_start(tiny_tok: TextTokenizer, sp_tok: TextTokenizer) -> None:
+    text = "Order 66 shipped: 12345 units to 東京🦀 today"
+    for tok in (tiny_tok, sp_tok):
+        for sizes in ([1], [3], [1, 2]):
+            deltas, finish, _ = regex_stream(tok, text, [r"\d{3}"], sizes)
+            assert finish.type == "stop" and finish.matched_str == r"\d{3}"
+            assert out(deltas) == "Order 66 shipped: "
+            assert all("1" not in d.text for d in deltas)  # nothing of the match ever went out
+        deltas, finish, _ = regex_stream(tok, text, [r"東京.", "nomatch"], [2])
+        assert finish.matched_str == r"東京." and out(deltas) == "Order 66 shipped: 12345 units to "
+
+
+def test_regex_no_stop_trim_keeps_the_match(tiny_tok: TextTokenizer) -> None:
+    for stream_ in (True, False):
+        deltas, finish, full = regex_stream(tiny_tok, "the quick brown fox jumps", [r"b\w+n"], [2],
+                                            no_stop_trim=True, stream_=stream_)
+        assert finish.matched_str == r"b\w+n"
+        assert out(deltas) == "the quick brown"
+        deltas, _, _ = regex_stream(tiny_tok, "the quick brown fox jumps", [r"b\w+n"], [2], stream_=stream_)
+        assert out(deltas) == "the quick "
+
+
+def test_regex_hold_back_is_the_patterns_span() -> None:
+    t = StopTrimmer((), False, ("ab?c",))  # at most 3 characters: the last 3 wait
+    assert t.feed("hello") == "he" and t.feed(" w") == "ll" and t.finish("x", None) == "o wx"
+    t = StopTrimmer((), False, (r"\d+",))  # unbounded: capped at the lookback
+    assert t.feed("x" * 100) == "x" * (100 - stop_regex.LOOKBACK_CHARS)
+    # A stop_regex finish cuts trim_chars from the end of the output; past what is unsent, all of it.
+    t = StopTrimmer((), False, ("ab?c",))
+    assert t.feed("hello ab") == "hello" and t.finish("c!", "ab?c", "r", trim_chars=4) == " "
+    assert StopTrimmer((), False, ("a",)).finish("xyz", "a", "r", trim_chars=10) == ""

@@ -7,8 +7,9 @@ import pytest
 
 from gateway.auth import key_from_header, key_ok
 from gateway.config import load_config, parse_size
-from gateway.convert import OPENAI_PARAMS, sampling_from_openai, split_prompt
+from gateway.convert import OPENAI_PARAMS, sampling_from_native, sampling_from_openai, split_prompt
 from gateway.errors import GatewayError, from_status
+from gateway.native_protocol import NativeSamplingParams
 from gateway.protocol import CompletionRequest
 
 
@@ -34,6 +35,10 @@ def test_error_mapping() -> None:
     e = from_status(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.max_new_tokens: too large", OPENAI_PARAMS)
     assert (e.status, e.param, e.body()["error"]["type"]) == (400, "max_tokens", "invalid_request_error")
     assert from_status(grpc.StatusCode.INVALID_ARGUMENT, "bad things happened").param is None
+    e = from_status(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.stop_regex[1]: bad", OPENAI_PARAMS)
+    assert e.param == "stop_regex[1]"
+    no_map = from_status(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.stop[0]: x")
+    assert no_map.param == "sampling_params.stop[0]"
     assert from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "full").headers == {"Retry-After": "1"}
     assert from_status(grpc.StatusCode.UNAVAILABLE, "x").status == 503
     assert from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "x").status == 504
@@ -55,3 +60,19 @@ def test_sampling_conversion() -> None:
     assert split_prompt([1, 2]) == [[1, 2]] and split_prompt(["a", "b"]) == ["a", "b"]
     with pytest.raises(GatewayError):
         split_prompt([])
+
+
+def test_logit_bias_and_stop_regex_conversion() -> None:
+    req = CompletionRequest(prompt="x", logit_bias={"5": 100, "-3": -1.5}, stop_regex="a+b")
+    sp = sampling_from_openai(req, 7)
+    assert dict(sp.logit_bias) == {5: 100.0, -3: -1.5}  # the tokenizer checks the ids against the vocab
+    assert list(sp.stop_regex) == ["a+b"]
+    native = sampling_from_native(NativeSamplingParams(logit_bias={"7": 2}, stop_regex=["x", "y\\d"]))
+    assert dict(native.logit_bias) == {7: 2.0} and list(native.stop_regex) == ["x", "y\\d"]
+    for key in ("abc", "1.5", " 5", "1_0", "\u0663", str(2**31)):
+        with pytest.raises(GatewayError) as e:
+            sampling_from_openai(CompletionRequest(prompt="x", logit_bias={key: 1}), 7)
+        assert (e.value.status, e.value.param) == (400, "logit_bias")
+    # The tokenizer's errors name the proto field; an OpenAI client sees its own name.
+    assert OPENAI_PARAMS["sampling_params.logit_bias"] == "logit_bias"
+    assert OPENAI_PARAMS["sampling_params.stop_regex"] == "stop_regex"

@@ -34,7 +34,10 @@ params = st.builds(
     stop_token_ids=st.lists(st.integers(0, 5000), max_size=3).map(tuple), ignore_eos=st.booleans(),
     skip_special_tokens=st.booleans(), spaces_between_special_tokens=st.booleans(),
     seed=st.none() | st.integers(-2**63, 2**63 - 1), no_stop_trim=st.booleans(),
-    regex=st.none() | st.just("[a-z]+"))
+    regex=st.none() | st.just("[a-z]+"),
+    logit_bias=st.dictionaries(st.integers(0, 5000), f32(-100, 100), max_size=4).map(
+        lambda d: tuple(sorted(d.items()))),
+    stop_regex=st.lists(st.text(max_size=5), max_size=3).map(tuple))
 
 
 @given(params)

@@ -9,6 +9,7 @@ import torch
 
 from ringserve.v1 import common_pb2
 from services.scheduler.model_executor.sampling import (
+    LogitBias,
     SamplingBatchInfo,
     SamplingParams,
     apply_penalties,
@@ -152,3 +153,65 @@ def test_logprobs_from_raw_logits() -> None:
         assert [t for t, _ in tops] == ref[i].argsort(descending=True)[:n].tolist()
         assert all(math.isclose(lp, float(ref[i, t]), abs_tol=1e-4) for t, lp in tops)
         assert [lp for _, lp in tops] == sorted((lp for _, lp in tops), reverse=True)
+
+
+def test_logit_bias_forces_greedy_and_leaves_unbiased_rows_alone() -> None:
+    logits = rand_logits(4, seed=5)
+    want = logits.argmax(-1).tolist()
+    forced = [t for t in range(V) if t != want[1]][7]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logit_bias=((forced, 100.0),)),
+              SamplingParams(temperature=0.0), SamplingParams(top_k=1, logit_bias=((3, 1e-3),))]
+    info = build(params)
+    assert not info.fast_greedy and info.bias_index is not None
+    assert info.bias_index.tolist() == [1 * V + forced, 3 * V + 3]  # only the biased rows' entries
+    raw = logits.clone()
+    out = sample(logits, info, [True] * 4, [0] * 4)
+    assert out.next_token_ids[:3] == [want[0], forced, want[2]]
+    assert logits[1, forced] == raw[1, forced] + 100.0  # added in place: no copy of the whole batch
+    assert torch.equal(logits[0], raw[0]) and torch.equal(logits[2], raw[2])
+    # Logprobs stay the raw distribution's (vLLM's default), not the biased one's.
+    assert math.isclose(out.logprobs[1], float(torch.log_softmax(raw[1], -1)[forced]), abs_tol=1e-5)
+
+
+def test_logit_bias_minus_100_bans_a_token() -> None:
+    logits = torch.zeros(2, V)
+    logits[:, 5] = 8.0   # the clear favourite: about 3/4 of the mass at temperature 1
+    params = [SamplingParams(temperature=0.0, logit_bias=((5, -100.0),)),
+              SamplingParams(temperature=1.0, seed=7, logit_bias=((5, -100.0), (9, 2.0)))]
+    for _ in range(50):
+        out = sample(logits.clone(), build(params), [False, False], [0, 0]).next_token_ids
+        assert 5 not in out
+    unbiased = [SamplingParams(temperature=1.0, seed=7)]
+    assert 5 in [sample(logits[:1], build(unbiased), [False], [0]).next_token_ids[0] for _ in range(20)]
+
+
+def test_logit_bias_added_after_penalties_and_before_the_min_tokens_mask() -> None:
+    logits = rand_logits(1, seed=6)
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.5, min_new_tokens=3,
+                       logit_bias=((2, 50.0), (4, 100.0)))
+    info = build([p], prompt_ids=[[2, 3]], stop_ids=[{4}])
+    got = apply_penalties(logits.clone(), info)
+    want = logits.clone()
+    want[0, 2] = (want[0, 2] / 1.5 if want[0, 2] > 0 else want[0, 2] * 1.5) + 50.0
+    want[0, 3] = want[0, 3] / 1.5 if want[0, 3] > 0 else want[0, 3] * 1.5
+    want[0, 4] = float("-inf")  # a stop id under min_new_tokens stays masked whatever its bias
+    torch.testing.assert_close(got, want)
+    assert sample(logits, info, [False], [0]).next_token_ids == [2]
+
+
+def test_logit_bias_tensors_kept_while_the_biased_rows_stay() -> None:
+    cache = LogitBias()
+    a = SamplingParams(logit_bias=((1, 2.0), (4, -1.0)))
+    b = SamplingParams(logit_bias=((0, 5.0),))
+    plain = SamplingParams()
+    assert cache.tensors([plain, plain], V, "cpu") is None  # rows without a bias build nothing
+    first = cache.tensors([plain, a, b], V, "cpu")
+    assert first is not None
+    assert first[0].tolist() == [V + 1, V + 4, 2 * V] and first[1].tolist() == [2.0, -1.0, 5.0]
+    assert cache.tensors([plain, a, b], V, "cpu") is first        # same composition: no rebuild
+    moved = cache.tensors([a, b], V, "cpu")                        # a row finished: the rows moved
+    assert moved is not None and moved[0].tolist() == [1, 4, V]
+    assert cache.tensors([plain, a, b], V, "cpu") is first        # alternating batches keep theirs
+    for i in range(LogitBias.KEEP + 1):
+        cache.tensors([SamplingParams(logit_bias=((i, 1.0),))], V, "cpu")
+    assert len(cache._built) == LogitBias.KEEP

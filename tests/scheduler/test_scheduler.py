@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -119,6 +120,36 @@ def test_stop_string_ends_on_the_token_that_completes_it(engine: Engine, model_d
     assert stop in tok.decode(r.output_ids)
     assert stop not in tok.decode(r.output_ids[:-1])  # no token past the one that completed it
     assert r.output_ids == base.output_ids[:len(r.output_ids)]
+
+
+def test_stop_regex_ends_on_the_token_that_completes_a_match(engine: Engine, model_dir: str) -> None:
+    tok = TextTokenizer.from_model(model_dir)
+    prompt = tok.encode("你好，世界！The scheduler decides every finish.")
+    base, = engine.generate([prompt], greedy(max_new_tokens=30, ignore_eos=True))
+    text = tok.decode(base.output_ids)
+    piece = text[len(text) // 2: len(text) // 2 + 2]
+    assert piece.strip() and "\ufffd" not in piece
+    pattern = re.escape(piece[0]) + "."  # the piece's first character and whatever follows it
+    r, = engine.generate([prompt], greedy(max_new_tokens=30, ignore_eos=True, stop_regex=(pattern,)))
+    assert r.finish.type == "stop" and r.finish.matched_str == pattern
+    out = tok.decode(r.output_ids)
+    m = re.search(pattern, out)
+    assert m is not None and not re.search(pattern, tok.decode(r.output_ids[:-1]))
+    assert r.finish.trim_chars == len(out) - m.start()
+    assert r.output_ids == base.output_ids[:len(r.output_ids)]
+
+
+def test_logit_bias_forces_a_token_in_a_running_batch(engine: Engine) -> None:
+    forced = 1234
+    prompts = [rand_ids(12, 40), rand_ids(15, 41), rand_ids(9, 42)]
+    base = engine.generate(prompts, greedy(max_new_tokens=6, ignore_eos=True))
+    params = [greedy(max_new_tokens=6, ignore_eos=True, logit_bias=((forced, 100.0),)),
+              greedy(max_new_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_new_tokens=6, ignore_eos=True,
+                             logit_bias=((forced, 100.0),))]
+    a, b, c = engine.generate(prompts, params)  # one batch: biased and unbiased rows side by side
+    assert a.output_ids == [forced] * 6 and c.output_ids == [forced] * 6
+    assert b.output_ids == base[1].output_ids  # the unbiased row is untouched
 
 
 def test_streaming_emits_every_step_and_params_once(engine: Engine) -> None:

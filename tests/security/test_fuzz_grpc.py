@@ -49,7 +49,10 @@ def sampling(draw: st.DrawFn) -> common_pb2.SamplingParams:
         min_p=draw(FLOATS), frequency_penalty=draw(FLOATS), presence_penalty=draw(FLOATS),
         min_new_tokens=draw(SMALL_TOKENS | UINT32), stop=draw(st.lists(TEXT, max_size=20)),
         stop_token_ids=draw(st.lists(INT32 | st.integers(0, 5000), max_size=5)), ignore_eos=draw(st.booleans()),
-        no_stop_trim=draw(st.booleans()))
+        no_stop_trim=draw(st.booleans()),
+        logit_bias=draw(st.dictionaries(INT32 | st.integers(0, 5000), FLOATS, max_size=4)),
+        # Random patterns: invalid ones, empty matches and nested repeats are refused at intake.
+        stop_regex=draw(st.lists(TEXT | st.sampled_from(["(a+)+$", "x*", "[", "\\d", "(?=a)"]), max_size=2)))
     for name, strat in (("temperature", FLOATS), ("top_p", FLOATS), ("top_k", INT32 | st.integers(-2, 50)),
                         ("repetition_penalty", FLOATS), ("max_new_tokens", SMALL_TOKENS | UINT32),
                         ("skip_special_tokens", st.booleans()), ("spaces_between_special_tokens", st.booleans()),

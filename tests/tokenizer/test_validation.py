@@ -56,6 +56,15 @@ CASES = [
     ("sampling_params.stop[1]", dict(sampling=dict(stop=("a", "")))),
     ("sampling_params.stop_token_ids[0]", dict(sampling=dict(stop_token_ids=(100,)))),
     ("sampling_params.stop_token_ids[1]", dict(sampling=dict(stop_token_ids=(1, -1)))),
+    ("sampling_params.logit_bias", dict(sampling=dict(logit_bias=((100, 1.0),)))),
+    ("sampling_params.logit_bias", dict(sampling=dict(logit_bias=((-1, 1.0),)))),
+    ("sampling_params.logit_bias", dict(sampling=dict(logit_bias=((5, 100.5),)))),
+    ("sampling_params.logit_bias", dict(sampling=dict(logit_bias=((5, float("nan")),)))),
+    ("sampling_params.stop_regex", dict(sampling=dict(stop_regex=("a", "b", "c")))),
+    ("sampling_params.stop_regex[0]", dict(sampling=dict(stop_regex=("abcdef",)))),
+    ("sampling_params.stop_regex[1]", dict(sampling=dict(stop_regex=("a", "(")))),
+    ("sampling_params.stop_regex[0]", dict(sampling=dict(stop_regex=("a*",)))),
+    ("sampling_params.stop_regex[0]", dict(sampling=dict(stop_regex=("(a+)+",)))),
     ("sampling_params.json_schema", dict(sampling=dict(json_schema="{not json"))),
     ("sampling_params.json_schema", dict(sampling=dict(json_schema="{}", regex="a"))),
     ("sampling_params.regex", dict(sampling=dict(regex="a", ebnf="root ::= x"))),
@@ -129,3 +138,8 @@ def test_n_expansion_offsets_seed():
 
 def test_input_ids_used_as_given():
     assert run(text=None, input_ids=[5, 6, 7]).input_ids == [5, 6, 7]
+
+
+def test_logit_bias_and_stop_regex_on_the_edge_are_accepted():
+    sampling = dict(logit_bias=((0, -100.0), (99, 100.0)), stop_regex=(r"\d+x", "(?i)e"))
+    assert run(sampling=sampling).samplings[0].logit_bias == ((0, -100.0), (99, 100.0))

@@ -42,7 +42,7 @@ from services.scheduler.grammar.glue import GrammarGlue
 from services.scheduler.kvcache.kv_manager import KVManager
 from services.scheduler.model_executor.forward_batch import ForwardBatch
 from services.scheduler.model_executor.model_runner import ModelRunner
-from services.scheduler.model_executor.sampling import SamplingBatchInfo, make_generator, sample
+from services.scheduler.model_executor.sampling import LogitBias, SamplingBatchInfo, make_generator, sample
 
 RECENT_FINISHED_S = 60.0
 RECENT_FINISHED_MAX = 4096
@@ -102,6 +102,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self._emit: list[TokenDelta] = []
+        self.logit_bias = LogitBias()  # the batches' bias tensors, rebuilt only when their biased rows change
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -212,7 +213,7 @@ class Scheduler:
         if len(rows) != len(batch.reqs):
             logits = logits[rows]
         return sample_reqs([batch.reqs[i] for i in rows], logits, self.grammar, self.finisher,
-                           self.runner.vocab_size, self.device, self.runner.argmax)
+                           self.runner.vocab_size, self.device, self.runner.argmax, self.logit_bias)
 
     def process_results(self, batch: Batch, next_ids: list[int], elapsed: float) -> None:
         now = time.monotonic()
@@ -333,11 +334,12 @@ class Scheduler:
 
 def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, finisher: FinishChecker,
                 vocab_size: int, device: torch.device,
-                argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
+                argmax: Callable[[torch.Tensor], list[int]] | None = None,
+                logit_bias: LogitBias | None = None) -> list[int]:
     """The requests' state (params, generators, outputs so far, grammars, the min_new_tokens stop ids)
     turned into one SamplingBatchInfo, the sampler run, and each request's logprobs recorded.
     logits: [len(reqs), V] on device, one row per request; argmax: the C kernel's, when the model runs
-    on them. Returns each request's next token id."""
+    on them; logit_bias: the scheduler's cache of bias tensors. Returns each request's next token id."""
     if not reqs:
         return []
     grammar.mask(logits, reqs)
@@ -347,7 +349,7 @@ def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, fin
         # A grammar decides for itself when EOS may come; masking it too could leave no token.
         [set(finisher.stop_ids_for_min_tokens(r))
          if r.params.min_new_tokens > len(r.output_ids) and r.grammar is None else set() for r in reqs],
-        vocab_size, device)
+        vocab_size, device, logit_bias)
     out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs], argmax)
     for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs, strict=True):
         if r.return_logprob and r.params.max_tokens:  # 0: the token is not kept (process_results)

@@ -2,11 +2,14 @@
 
 Order of operations on the logits of one step ([B, V] float32):
 1. penalties: repetition (CTRL-style, over prompt + output), frequency/presence (over output);
-2. min_new_tokens: EOS and stop ids masked while the output is shorter than the minimum;
-3. greedy rows: argmax; other rows: temperature, then top_k / top_p / min_p (all measured on the
+2. logit_bias: one index_add of the batch's sparse (row, token, bias) entries (LogitBias);
+3. min_new_tokens: EOS and stop ids masked while the output is shorter than the minimum;
+4. greedy rows: argmax; other rows: temperature, then top_k / top_p / min_p (all measured on the
    full post-temperature distribution, as SGLang does), then a draw.
 Seeded requests draw with their own torch.Generator, row by row, so a seed gives the same tokens
-whatever the batch. Logprobs are taken from the raw logits (before penalties and temperature).
+whatever the batch. Logprobs are taken from the raw logits (before penalties, logit_bias and
+temperature): vLLM's default (logprobs_mode "raw_logprobs"), so a bias that forces a token does not
+also make its reported logprob 0; they score the model, not the sampler's edit of it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,39 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     g = torch.Generator(device=torch.device(device))
     g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative int64 seeds map to a valid uint64
     return g
+
+
+class LogitBias:
+    """The logit_bias entries of a batch as two device tensors: flat indices row * V + token [N] int64
+    and biases [N] float32, for one index_add into the flattened [B * V] logits (no per-row work).
+
+    Keyed by the biased rows and their biases, so a batch keeps its tensors for as long as its biased
+    rows stay where they are (a decode batch keeps its composition for many steps); the last few
+    keys are kept, since prefill and decode steps alternate. Rows without a bias add nothing."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[tuple[int, tuple[tuple[int, float], ...]], ...],
+                          tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tensors(self, params: list[SamplingParams], vocab_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = tuple((i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias)
+        if not key:
+            return None
+        built = self._built.get(key)
+        if built is None:
+            # The tokenizer checked the ids against its vocabulary; one the model's logits lack (a
+            # tokenizer larger than the model's head) could never be sampled, so it has no logit to bias.
+            entries = [(row * vocab_size + token, b) for row, bias in key for token, b in bias if token < vocab_size]
+            index, values = [e[0] for e in entries], [e[1] for e in entries]
+            built = (torch.tensor(index, dtype=torch.int64).to(device),
+                     torch.tensor(values, dtype=torch.float32).to(device))
+            if len(self._built) >= self.KEEP:
+                del self._built[next(iter(self._built))]  # the oldest
+            self._built[key] = built
+        return built
 
 
 class SampleOutput(NamedTuple):
@@ -52,22 +88,28 @@ class SamplingBatchInfo:
     pres_penalties: torch.Tensor | None = None   # [B, 1] float32
     counts: torch.Tensor | None = None           # [B, V] float32: occurrences in the output
     min_token_mask: list[tuple[int, list[int]]] | None = None  # (row, ids to mask)
+    bias_index: torch.Tensor | None = None       # [N] int64 row * V + token (LogitBias), or None
+    bias_values: torch.Tensor | None = None      # [N] float32
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               output_ids: list[list[int]], prompt_ids: list[list[int]], stop_ids_for_min_tokens: list[set[int]],
-              vocab_size: int, device: torch.device | str) -> SamplingBatchInfo:
+              vocab_size: int, device: torch.device | str, logit_bias: LogitBias | None = None) -> SamplingBatchInfo:
+        """logit_bias: the caller's cache of bias tensors (a fresh one when None: built every call)."""
         bs = len(params)
         min_mask = [(i, sorted(t for t in stop_ids_for_min_tokens[i] if 0 <= t < vocab_size))
                     for i, p in enumerate(params) if len(output_ids[i]) < p.min_new_tokens]
         min_mask = [(i, ids) for i, ids in min_mask if ids]
         penalized = [p.has_penalties for p in params]
         greedy = [p.is_greedy for p in params]
-        if all(greedy) and not any(penalized) and not min_mask:
+        bias = (logit_bias or LogitBias()).tensors(params, vocab_size, device)
+        if all(greedy) and not any(penalized) and not min_mask and bias is None:
             return cls(fast_greedy=True, batch_size=bs)
 
         info = cls(fast_greedy=False, batch_size=bs, greedy=greedy, generators=list(generators),
                    min_token_mask=min_mask or None)
+        if bias is not None:
+            info.bias_index, info.bias_values = bias
 
         def col(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32).to(device)[:, None]
@@ -98,7 +140,9 @@ class SamplingBatchInfo:
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """logits: [B, V] float32 (not modified). Penalties, then the min_new_tokens mask."""
+    """logits: [B, V] float32. Penalties, logit_bias, then the min_new_tokens mask. The penalties make a
+    new tensor; logit_bias is added in place (into logits itself when there are no penalties): a
+    copy of the whole [B, V] for a few entries would make every row pay for the biased ones."""
     raw = logits
     if info.rep_penalties is not None:
         assert info.rep_mask is not None  # built together with rep_penalties
@@ -107,6 +151,10 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     if info.counts is not None:
         assert info.freq_penalties is not None and info.pres_penalties is not None  # built together with counts
         logits = logits - (info.freq_penalties * info.counts + info.pres_penalties * (info.counts > 0).float())
+    if info.bias_index is not None:
+        assert info.bias_values is not None  # built together with bias_index
+        logits = logits.contiguous()  # a no-op for the model's logits; the flat view below needs it
+        logits.view(-1).index_add_(0, info.bias_index, info.bias_values)  # [B * V] view of [B, V]
     if info.min_token_mask:
         if logits is raw:
             logits = logits.clone()
@@ -151,11 +199,18 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
     return out
 
 
+# The model's logits are inference tensors (the runner runs under inference_mode): the in-place
+# logit_bias add is only allowed on them inside it, and nothing here needs autograd anyway.
+@torch.inference_mode()
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[bool],
            top_logprobs_num: list[int], argmax: Callable[[torch.Tensor], list[int]] | None = None) -> SampleOutput:
-    """logits: [B, V] float32 raw model output. argmax: a faster torch.argmax(logits, -1).tolist() (the
-    C kernel's, on CPU), for an all-greedy batch."""
+    """logits: [B, V] float32 raw model output, the caller's to spend: logit_bias is added into it in
+    place (the logprobs are taken first). argmax: a faster torch.argmax(logits, -1).tolist() (the C
+    kernel's, on CPU), for an all-greedy batch."""
     bs = logits.shape[0]
+    want = [i for i in range(bs) if return_logprob[i] or top_logprobs_num[i] > 0]
+    # [W, V] log-probabilities of the raw logits, before anything below edits them.
+    lp = torch.log_softmax(logits[want].float(), dim=-1) if want else None
     if info.fast_greedy:
         next_ids = argmax(logits) if argmax is not None else logits.argmax(-1).tolist()
     else:
@@ -176,9 +231,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[b
                 next_ids[i] = t
     logprobs: list[float | None] = [None] * bs
     tops: list[list[tuple[int, float]] | None] = [None] * bs
-    want = [i for i in range(bs) if return_logprob[i] or top_logprobs_num[i] > 0]
-    if want:
-        lp = torch.log_softmax(logits[want].float(), dim=-1)  # [W, V] from the raw logits
+    if lp is not None:
         chosen = lp.gather(1, torch.tensor([next_ids[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
         k = max(top_logprobs_num[i] for i in want)
         top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (None, None))
