@@ -113,10 +113,15 @@ class Backend:
         assert isinstance(resp, pb.AbortResponse)
         return resp.found
 
-    async def detokenize(self, ids: list[int]) -> str:
-        resp = await self._unary("Detokenize", pb.DetokenizeRequest(ids=ids, skip_special_tokens=False))
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        resp = await self._unary("Detokenize", pb.DetokenizeRequest(ids=ids, skip_special_tokens=skip_special_tokens))
         assert isinstance(resp, pb.DetokenizeResponse)
         return resp.text
+
+    async def tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        resp = await self._unary("Tokenize", req)
+        assert isinstance(resp, pb.TokenizeResponse)
+        return resp
 
     async def serving(self) -> bool:
         """True only when the tokenizer says SERVING on grpc.health (service "")."""

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from gateway.errors import GatewayError, from_status
 from gateway.native_protocol import NativeSamplingParams
-from gateway.protocol import ChatCompletionRequest, ChatMessage, Prompt, SamplingExtras
+from gateway.protocol import ChatFields, ChatMessage, Prompt, SamplingExtras
 from ringserve.errors import status_of
 from ringserve.message.sampling import CONSTRAINTS
 from ringserve.v1 import api_pb2 as pb
@@ -28,7 +28,8 @@ OPENAI_PARAMS: dict[str, str] = {
     **{f"sampling_params.{f.name}": _SAMPLING_RENAMES.get(f.name, f.name)
        for f in common_pb2.SamplingParams.DESCRIPTOR.fields},
     "text": "prompt", "input_ids": "prompt", "chat": "messages", "chat.messages": "messages",
-    "top_logprobs_num": "logprobs", "model": "model",
+    "top_logprobs_num": "logprobs", "model": "model", "chat.tool_choice": "tool_choice", "chat.tools": "tools",
+    "chat.chat_template_kwargs_json": "chat_template_kwargs",
 }
 CHAT_PARAMS = {**OPENAI_PARAMS, "top_logprobs_num": "top_logprobs",
                "sampling_params.max_new_tokens": "max_completion_tokens"}
@@ -144,13 +145,53 @@ def message_text(msg: ChatMessage, i: int) -> str:
     return " ".join(texts)
 
 
-def chat_input(req: ChatCompletionRequest) -> pb.ChatInput:
-    chat = pb.ChatInput(messages=[pb.ChatMessage(role=m.role, content=message_text(m, i))
-                                  for i, m in enumerate(req.messages)],
+def chat_message(msg: ChatMessage, i: int) -> pb.ChatMessage:
+    out = pb.ChatMessage(role=msg.role, content=message_text(msg, i), name=msg.name or "",
+                         tool_call_id=msg.tool_call_id or "", reasoning_content=msg.reasoning_content or "")
+    for call in msg.tool_calls or []:
+        out.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
+    return out
+
+
+def chat_input(req: ChatFields) -> pb.ChatInput:
+    chat = pb.ChatInput(messages=[chat_message(m, i) for i, m in enumerate(req.messages or [])],
                         continue_final_message=req.continue_final_message)
     if req.add_generation_prompt is not None:
         chat.add_generation_prompt = req.add_generation_prompt
+    for t in req.tools or []:
+        fn = t.function
+        tool = chat.tools.add(name=fn.name, description=fn.description or "",
+                              parameters_json=json.dumps(fn.parameters) if fn.parameters is not None else "")
+        if fn.strict is not None:
+            tool.strict = fn.strict
+    if isinstance(req.tool_choice, str):
+        chat.tool_choice.mode = req.tool_choice
+    elif req.tool_choice is not None:
+        chat.tool_choice.function = req.tool_choice.function.name
+    if req.parallel_tool_calls is not None:
+        chat.parallel_tool_calls = req.parallel_tool_calls
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if kwargs:
+        chat.chat_template_kwargs_json = json.dumps(kwargs)
+    chat.separate_reasoning = req.separate_reasoning
     return chat
+
+
+def tool_calls_json(calls: list[pb.ToolCallDelta], stream: bool) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls: whole calls in a message; in a stream delta, a call's first piece
+    carries index, id, type and name, later ones only index and argument text."""
+    out: list[dict[str, Any]] = []
+    for c in calls:
+        if not stream:
+            out.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+        elif c.id:
+            out.append({"index": c.index, "id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}})
+        else:
+            out.append({"index": c.index, "function": {"arguments": c.arguments}})
+    return out
 
 
 def finish_error(fr: common_pb2.FinishReason, param_map: dict[str, str] | None = None) -> GatewayError:

@@ -53,6 +53,12 @@ class GatewayError(Exception):
         self.code = code if code is not None else status
         self.headers = headers or {}
 
+    def renamed(self, names: dict[str, str]) -> GatewayError:
+        """The same error with `param` in another route's vocabulary."""
+        if self.param in names:
+            self.param = names[self.param]
+        return self
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

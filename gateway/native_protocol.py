@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.protocol import Int32, Int64, SamplingFields, UInt32
+from gateway.protocol import ApiRequest, Int32, Int64, SamplingFields, UInt32
 
 
 class NativeSamplingParams(SamplingFields):
-    """SGLang's `sampling_params` dict; unknown keys are ignored as SGLang's clients send many."""
+    """SGLang's `sampling_params` dict (unknown keys: see ApiRequest)."""
 
     # OpenAI's requests call these max_tokens / min_tokens, so they are not in SamplingFields.
     max_new_tokens: UInt32 | None = None
@@ -16,10 +16,8 @@ class NativeSamplingParams(SamplingFields):
     sampling_seed: Int64 | None = None  # SGLang's name for the per-request seed
 
 
-class GenerateReqInput(BaseModel):
+class GenerateReqInput(ApiRequest):
     """POST /generate: one prompt or a batch (a list of texts or of token-id lists)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     text: str | list[str] | None = None
     input_ids: list[Int32] | list[list[Int32]] | None = None

@@ -1,5 +1,6 @@
 """SGLang-native routes: /generate, /health, /health_generate, /get_model_info, /get_server_info,
-/flush_cache, /abort_request. Shapes follow SGLang's http_server so its clients work unchanged."""
+/flush_cache, /abort_request, /tokenize, /detokenize. Shapes follow SGLang's http_server so its
+clients work unchanged (the tokenize pair also takes vLLM's fields)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from google.protobuf.json_format import MessageToDict
 
-from gateway.convert import native_finish_reason, native_logprobs, sampling_from_native, set_prompt
+from gateway.convert import chat_input, native_finish_reason, native_logprobs, sampling_from_native, set_prompt
 from gateway.errors import GatewayError
 from gateway.native_protocol import AbortReq, GenerateReqInput
 from gateway.openai_routes import ERRORS, STREAM_DOC
+from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from gateway.sse import prime, sse_response
 from gateway.state import get_state
 from gateway.streams import Sample, cancel_on_disconnect, collect, merge
@@ -122,6 +124,11 @@ async def _stream_events(items: list[_Item], streams: list[AsyncIterator[pb.Gene
     **ERRORS, 200: {"content": STREAM_DOC, "description": "an output, a list of outputs, or SSE events"}})
 async def generate(body: GenerateReqInput, request: Request) -> Any:
     state = get_state(request)
+    body.check_fields()
+    sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params]
+    for sp in sps:
+        if sp is not None:
+            sp.check_fields()
     if body.model:
         await state.check_model(body.model)
     items, is_batch = _items(body)
@@ -135,6 +142,58 @@ async def generate(body: GenerateReqInput, request: Request) -> Any:
     results = await cancel_on_disconnect(request, collect(streams))
     outputs = [_output(items[pi], samples[j], None) for pi, samples in enumerate(results) for j in sorted(samples)]
     return outputs if indexed else outputs[0]
+
+
+TOKENIZE_PARAMS = {"chat": "messages", "chat.messages": "messages", "text": "prompt", "chat.tools": "tools",
+                   "chat.tool_choice": "tool_choice", "chat.chat_template_kwargs_json": "chat_template_kwargs"}
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=ERRORS)
+@router.post("/v1/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=ERRORS,
+             include_in_schema=False)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    """Text, a list of texts, or chat messages (rendered with the chat template, tools included)
+    to token ids; SGLang's and vLLM's shapes."""
+    state = get_state(request)
+    body.check_fields()
+    if body.model:
+        await state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise GatewayError(400, "prompt: exactly one of prompt or messages is required", param="prompt")
+    if body.messages is not None:
+        reqs = [pb.TokenizeRequest(chat=chat_input(body))]
+    else:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt or [])
+        reqs = [pb.TokenizeRequest(text=p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    try:
+        resps = await asyncio.gather(*(state.backend.tokenize(r) for r in reqs))
+    except GatewayError as e:
+        raise e.renamed(TOKENIZE_PARAMS) from None
+    strs = [list(r.tokens) for r in resps] if body.return_token_strs else None
+    max_len = resps[0].max_model_len if resps else (await state.backend.model_info()).max_context_length
+    if isinstance(body.prompt, list):
+        return TokenizeResponse(tokens=[list(r.ids) for r in resps], count=[r.count for r in resps],
+                                max_model_len=max_len, token_strs=strs)
+    return TokenizeResponse(tokens=list(resps[0].ids), count=resps[0].count, max_model_len=max_len,
+                            token_strs=strs[0] if strs else None)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+@router.post("/v1/detokenize", response_model=DetokenizeResponse, responses=ERRORS, include_in_schema=False)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    """Token ids (or a list of id lists) to text; SGLang's and vLLM's shapes."""
+    state = get_state(request)
+    body.check_fields()
+    if body.model:
+        await state.check_model(body.model)
+    batch = bool(body.tokens) and isinstance(body.tokens[0], list)
+    seqs: list[list[int]] = body.tokens if batch else [body.tokens]  # type: ignore[assignment,list-item]
+    try:
+        texts = await asyncio.gather(*(state.backend.detokenize(ids, body.skip_special_tokens) for ids in seqs))
+    except GatewayError as e:
+        raise e.renamed({"ids": "tokens"}) from None
+    text: str | list[str] = list(texts) if batch else texts[0]
+    return DetokenizeResponse(text=text, prompt=text)
 
 
 @router.get("/health", responses={503: {"model": ERRORS[503]["model"]}})

@@ -1,8 +1,10 @@
 """Tokenizer messages -> OpenAI completion / chat responses and stream chunks.
 
 Choice index = prompt position * n + sample index, as OpenAI numbers choices for a list of
-prompts. Each choice gets exactly one finish_reason ("stop" or "length"); an "abort" finish is an
-error. The streamed deltas of a choice concatenate to exactly the non-streamed text.
+prompts. Each choice gets exactly one finish_reason ("stop", "length" or, for a chat sample that
+called a tool, "tool_calls"); an "abort" finish is an error. Reasoning and tool calls come parsed
+from the tokenizer (reasoning_text, tool_calls); this only shapes them as OpenAI does. The
+streamed deltas of a choice concatenate to exactly the non-streamed text.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from gateway.convert import chat_logprobs, echo_logprobs, finish_error, matched
+from gateway.convert import chat_logprobs, echo_logprobs, finish_error, matched, tool_calls_json
 from gateway.errors import GatewayError
 from gateway.protocol import (
     AssistantMessage,
@@ -23,6 +25,7 @@ from gateway.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
+    ToolCallOut,
     Usage,
 )
 from gateway.streams import Sample, merge
@@ -64,13 +67,17 @@ class UsageCounter:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached.values())))
 
 
-def _finish(spec: RenderSpec, sample: Sample) -> Literal["stop", "length"]:
+FinishType = Literal["stop", "length", "tool_calls"]
+FINISH_TYPES = ("stop", "length", "tool_calls")
+
+
+def _finish(spec: RenderSpec, sample: Sample) -> FinishType:
     fr = sample.finish
     if not sample.finished:
         raise GatewayError(502, "the tokenizer ended the stream before the request finished", "server_error")
-    if fr.type not in ("stop", "length"):
+    if fr.type not in FINISH_TYPES:
         raise finish_error(fr, spec.param_map)
-    return cast(Literal["stop", "length"], fr.type)  # checked just above
+    return cast(FinishType, fr.type)  # checked just above
 
 
 def render_full(spec: RenderSpec, results: list[dict[int, Sample]]) -> CompletionResponse | ChatCompletionResponse:
@@ -87,8 +94,11 @@ def render_full(spec: RenderSpec, results: list[dict[int, Sample]]) -> Completio
             index = pi * spec.n + j
             if spec.chat:
                 lp = ChoiceLogprobs(**chat_logprobs(s.logprobs)) if spec.logprobs else None
-                chat_choices.append(ChatChoice(index=index, message=AssistantMessage(content=s.text),
-                                               logprobs=lp, finish_reason=reason, matched_stop=matched(s.finish)))
+                calls = [ToolCallOut(**c) for c in tool_calls_json(s.tool_calls, stream=False)] or None
+                message = AssistantMessage(content=s.text if s.text.strip() or not calls else None,
+                                           reasoning_content=s.reasoning_text or None, tool_calls=calls)
+                chat_choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason,
+                                               matched_stop=matched(s.finish)))
             else:
                 echo = spec.echo[pi] if spec.echo else ""
                 clp = (CompletionLogprobs(**echo_logprobs(s.input_logprobs, s.logprobs, len(echo)))
@@ -113,7 +123,7 @@ async def render_stream(spec: RenderSpec,
     try:
         async for pi, msg in gen:
             fr = msg.meta_info.finish_reason
-            if msg.finished and fr.type not in ("stop", "length"):
+            if msg.finished and fr.type not in FINISH_TYPES:
                 raise finish_error(fr, spec.param_map)
             usage.add(pi, msg.index, msg.meta_info)
             index = pi * spec.n + msg.index
@@ -125,6 +135,10 @@ async def render_stream(spec: RenderSpec,
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 if msg.text or first:
                     delta["content"] = msg.text
+                if msg.reasoning_text:
+                    delta["reasoning_content"] = msg.reasoning_text
+                if msg.tool_calls:
+                    delta["tool_calls"] = tool_calls_json(list(msg.tool_calls), stream=True)
                 choice["delta"] = delta
                 choice["logprobs"] = chat_logprobs(list(msg.logprobs)) if spec.logprobs else None
             else:
@@ -138,7 +152,7 @@ async def render_stream(spec: RenderSpec,
             choice["finish_reason"] = finish
             if finish is not None:
                 choice["matched_stop"] = matched(fr)
-            if not (first or msg.text or finish or msg.logprobs):
+            if not (first or msg.text or finish or msg.logprobs or msg.reasoning_text or msg.tool_calls):
                 continue  # nothing new for the client (e.g. a counters-only message)
             chunk = {"id": spec.rid, "object": obj, "created": spec.created, "model": spec.model,
                      "choices": [choice]}

@@ -60,6 +60,7 @@ async def _run(request: Request, state: GatewayState, spec: RenderSpec,
     **ERRORS, 200: {"content": STREAM_DOC, "description": "JSON, or SSE chunks when stream=true"}})
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = get_state(request)
+    body.check_fields()
     model = await state.check_model(body.model)
     if body.best_of not in (None, 1):
         raise GatewayError(400, "best_of: only 1 is supported", param="best_of")
@@ -91,6 +92,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     **ERRORS, 200: {"content": STREAM_DOC, "description": "JSON, or SSE chunks when stream=true"}})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = get_state(request)
+    body.check_fields()
     model = await state.check_model(body.model)
     rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

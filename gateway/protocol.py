@@ -1,16 +1,23 @@
 """OpenAI-compatible request and response models (what /openapi.json documents).
 
-Requests ignore unknown fields (clients and benchmarks send many); known fields are typed, so a
-wrong type is a 400 naming the field. The SGLang/vLLM extras that benchmark clients send
-(ignore_eos, top_k, min_p, ...) are accepted as in those servers.
+Known fields are typed, so a wrong type is a 400 naming the field. The SGLang/vLLM extras that
+benchmark clients send (ignore_eos, top_k, min_p, ...) are accepted as in those servers. A field
+that OpenAI, SGLang or vLLM define and that would change the output, but that this server does not
+implement, is a 400 naming it (UNSUPPORTED_FIELDS); a field no API defines is ignored and logged
+once per name, as vLLM does (clients and benchmarks send many).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import GatewayError
+
+log = logging.getLogger(__name__)
 
 # The widths of the protobuf fields these values go into: an out-of-range number must be a 400
 # naming the field here, not a ValueError (500) when the GenerateRequest is built.
@@ -23,6 +30,53 @@ Prompt = str | list[str] | list[Int32] | list[list[Int32]]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+# Fields of the OpenAI, SGLang or vLLM APIs that change the output and are not implemented here,
+# with the values that ask for nothing (sent by clients that fill every field): any other value is
+# a 400 naming the field, never a silent 200.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "verbosity": (None,),
+    # SGLang
+    "lora_path": (None, ""), "priority": (None, 0), "return_hidden_states": (None, False),
+    "session_params": (None,), "custom_logit_processor": (None, ""), "custom_params": (None,),
+    "image_data": (None, []), "audio_data": (None, []), "video_data": (None, []),
+    "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
+    "stream_reasoning": (None, True), "return_routed_experts": (None, False),
+    # vLLM
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "documents": (None,), "mm_processor_kwargs": (None,),
+    "return_tokens_as_token_ids": (None, False), "kv_transfer_params": (None,), "vllm_xargs": (None,),
+    "echo_chat": (None,),
+}
+_HINTS = {"guided_json": "response_format or json_schema", "guided_regex": "regex",
+          "guided_choice": "regex", "guided_grammar": "ebnf", "structured_outputs": "response_format, "
+          "json_schema, regex or ebnf", "functions": "tools", "function_call": "tool_choice"}
+_logged_unknown: set[str] = set()
+
+
+class ApiRequest(_Request):
+    """A route's whole body: keeps the fields it does not declare, so that check_fields can refuse
+    the unsupported ones and log the unknown ones."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def check_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNSUPPORTED_FIELDS.get(name)
+            if neutral is None:
+                if name not in _logged_unknown and len(_logged_unknown) < 1024:  # bounded: names are the client's
+                    _logged_unknown.add(name)
+                    log.warning("ignoring unknown request field %r (logged once)", name)
+                continue
+            if any(value == v for v in neutral):
+                continue
+            hint = f"; use {_HINTS[name]}" if name in _HINTS else ""
+            raise GatewayError(400, f"{name}: not supported by this server{hint}", param=name)
 
 
 class StreamOptions(_Request):
@@ -46,7 +100,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(_Request):
+class SamplingFields(ApiRequest):
     """SGLang's sampling parameters under their protobuf names, shared by the OpenAI and the native
     requests.
 
@@ -111,20 +165,101 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field("", description="The arguments as JSON text.")
+
+
+class ToolCallIn(_Request):
+    """A call in an assistant message of the history."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
-class ChatCompletionRequest(SamplingExtras):
+class FunctionDef(_Request):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class ChatFields(ApiRequest):
+    """A conversation and how the chat template renders it (chat completions, /tokenize)."""
+
     messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='Default "auto" with tools, else "none". "required" and a named function '
+                          "constrain decoding to a valid call.")
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='More chat template variables, e.g. {"enable_thinking": false}.')
+    reasoning_effort: str | None = Field(None, description="Passed to the chat template (as vLLM does).")
+    separate_reasoning: bool = Field(True, description="With a reasoning parser: thinking in reasoning_content.")
+
+
+class ChatCompletionRequest(SamplingExtras, ChatFields):
     max_tokens: UInt32 | None = Field(None, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: UInt32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool = False
+
+
+class TokenizeRequest(ChatFields):
+    """POST /tokenize (SGLang's and vLLM's): a prompt, a list of prompts, or chat messages."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None  # type: ignore[assignment]  # optional here
+    add_special_tokens: bool = Field(True, description="Add BOS to a prompt (chat templates carry their own).")
+    return_token_strs: bool = Field(False, description="Also return each token's text (vLLM's token_strs).")
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+    token_strs: list[str] | list[list[str]] | None = None
+
+
+class DetokenizeRequest(ApiRequest):
+    """POST /detokenize (SGLang's and vLLM's)."""
+
+    model: str | None = None
+    tokens: list[Int32] | list[list[Int32]]
+    skip_special_tokens: bool = True
+
+
+class DetokenizeResponse(BaseModel):
+    text: str | list[str] = Field(..., description="The text (SGLang's name).")
+    prompt: str | list[str] = Field(..., description="The same text (vLLM's name).")
 
 
 # ---- responses ----
@@ -178,16 +313,29 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     matched_stop: int | str | None = None
 
 

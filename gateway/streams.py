@@ -31,6 +31,8 @@ class Sample:
     input_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     meta_info: pb.MetaInfo = field(default_factory=pb.MetaInfo)
     finished: bool = False
+    reasoning_text: str = ""
+    tool_calls: list[pb.ToolCallDelta] = field(default_factory=list)
 
     def absorb(self, msg: pb.GenerateResponse) -> None:
         append_output(self, msg)
@@ -43,6 +45,8 @@ class Sample:
 def append_output(into: Sample | pb.GenerateResponse, msg: pb.GenerateResponse) -> None:
     """msg's new text, ids and logprobs after into's; its meta_info (the latest counts) replaces into's."""
     into.text += msg.text
+    into.reasoning_text += msg.reasoning_text
+    into.tool_calls.extend(msg.tool_calls)
     into.output_ids.extend(msg.output_ids)
     into.logprobs.extend(msg.logprobs)
     into.input_logprobs.extend(msg.input_logprobs)

@@ -50,6 +50,9 @@ class LauncherConfig:
     io_cores: int = field(default=-1, metadata={"help": (
         "cores kept for the gateway, tokenizer and detokenizer when the scheduler runs on CPU: they are "
         "pinned there and its decode steps use the other cores; 0: no pinning; -1: one per 8 cores")})
+    chat_template: str = field(default="", metadata={"help": "the tokenizer's --chat-template (a file or the text)"})
+    tool_call_parser: str = field(default="", metadata={"help": "the tokenizer's --tool-call-parser"})
+    reasoning_parser: str = field(default="", metadata={"help": "the tokenizer's --reasoning-parser"})
     scheduler_args: str = field(default="", metadata={"help": "extra flags for the scheduler"})
     tokenizer_args: str = field(default="", metadata={"help": "extra flags for the tokenizer"})
     detokenizer_args: str = field(default="", metadata={"help": "extra flags for the detokenizer"})
@@ -75,6 +78,10 @@ def service_commands(cfg: LauncherConfig, layout: CpuLayout | None = None
     sched = f"{h}:{cfg.scheduler_port}"
     tok = f"{h}:{cfg.tokenizer_port}"
     m = ["--model", cfg.model]
+    # SGLang's launch_server takes these at the top level; here they are the tokenizer's.
+    passed = (("--chat-template", cfg.chat_template), ("--tool-call-parser", cfg.tool_call_parser),
+              ("--reasoning-parser", cfg.reasoning_parser))
+    chat = [arg for flag, value in passed if value for arg in (flag, value)]
     return [
         ("detokenizer", python_cmd("services.detokenizer", "--host", h, "--port", str(cfg.detokenizer_port),
                                    "--metrics-port", str(cfg.detokenizer_metrics_port), *m,
@@ -84,7 +91,7 @@ def service_commands(cfg: LauncherConfig, layout: CpuLayout | None = None
                                  "--detokenizer", detok, *threads, *shlex.split(cfg.scheduler_args)), sched),
         ("tokenizer", python_cmd("services.tokenizer", "--host", h, "--port", str(cfg.tokenizer_port),
                                  "--metrics-port", str(cfg.tokenizer_metrics_port), *m,
-                                 "--scheduler", sched, "--detokenizer", detok,
+                                 "--scheduler", sched, "--detokenizer", detok, *chat,
                                  *shlex.split(cfg.tokenizer_args)), tok),
         ("gateway", python_cmd("gateway", "--host", h, "--port", str(cfg.gateway_port), "--tokenizer", tok,
                                *shlex.split(cfg.gateway_args)), None),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -68,7 +69,9 @@ class TextTokenizer:
     special_ids: frozenset[int] = field(default_factory=frozenset)
 
     @classmethod
-    def from_model(cls, model: str) -> TextTokenizer:
+    def from_model(cls, model: str, chat_template: str | None = None) -> TextTokenizer:
+        """`chat_template` overrides the model's own (--chat-template): a file's path, or the template
+        text itself."""
         model_dir = resolve_model_dir(model)
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tcfg = _read_json(model_dir / "tokenizer_config.json")
@@ -82,6 +85,8 @@ class TextTokenizer:
                 template = (model_dir / name).read_text(encoding="utf-8")
         if template is None and (model_dir / "chat_template.json").exists():
             template = _read_json(model_dir / "chat_template.json").get("chat_template")
+        if chat_template:
+            template = read_chat_template(chat_template)
         eos_token = _token_str(tcfg.get("eos_token"))
         eos_ids = _as_list(gen.get("eos_token_id")) or _as_list(cfg.get("eos_token_id"))
         if not eos_ids and eos_token is not None and (eos_id := tok.token_to_id(eos_token)) is not None:
@@ -132,13 +137,22 @@ class TextTokenizer:
         return env.from_string(self.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
-        """Render messages to the prompt text (special tokens are part of the template)."""
+                            continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Render messages to the prompt text (special tokens are part of the template), as
+        transformers' apply_chat_template does: `tools` (OpenAI's tool dicts) is the template's
+        `tools` variable, None when there are none; `template_kwargs` are more template variables
+        (e.g. enable_thinking)."""
         if not self.chat_template:
             raise ChatTemplateError("the model has no chat template")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & extra.keys())
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs: {reserved[0]!r} is set by the server")
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            text = self._template.render(messages=messages, tools=tools or None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except ChatTemplateError:
             raise
         except Exception as e:  # noqa: BLE001 - any template failure is the caller's input problem
@@ -152,9 +166,30 @@ class TextTokenizer:
         return text
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message)
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, tools,
+                                        template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+# What the server itself passes to a chat template; chat_template_kwargs cannot override them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: the text of the file it names, or the value itself when it names no file
+    (a template always contains "{{" or "{%", which no sensible path does)."""
+    if "{" not in value:
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"--chat-template: no such file: {value}")
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":  # a chat_template.json
+            return str(json.loads(text)["chat_template"])
+        return text
+    return value
 
 
 def _added_tokens(tok: Tokenizer) -> list[Any]:

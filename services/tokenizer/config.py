@@ -12,6 +12,11 @@ from ringserve.model_source import served_name
 from ringserve.text_tokenizer import default_model
 from ringserve.tls import TlsConfig
 
+from .parsers import REASONING_PARSERS, TOOL_PARSERS
+
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
+REASONING_PARSER_NAMES = tuple(REASONING_PARSERS)
+
 ROUTING_POLICIES = ("round_robin", "least_load", "cache_aware")
 
 
@@ -53,6 +58,15 @@ class TokenizerConfig(TlsConfig):
     prefix_tree_max_tokens: int = field(default=200_000,
                                         metadata={"help": "cache_aware: tree size bound (tokens, all schedulers)"})
     drain_grace_s: float = field(default=30.0, metadata={"help": "SIGTERM: let in-flight calls finish this long"})
+    chat_template: str = field(default="", metadata={"help": (
+        "a chat template to use instead of the model's: a file (.jinja, or a chat_template.json) or the "
+        "template text")})
+    tool_call_parser: str = field(default="", metadata={"help": (
+        "how tool calls are written in the output: " + "|".join(TOOL_PARSER_NAMES)
+        + " (default: detected from the chat template, else hermes)")})
+    reasoning_parser: str = field(default="", metadata={"help": (
+        "put the model's thinking into reasoning_content: " + "|".join(REASONING_PARSER_NAMES)
+        + " (default: none)")})
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     def __post_init__(self) -> None:
@@ -65,6 +79,10 @@ class TokenizerConfig(TlsConfig):
             raise ValueError("at least one --detokenizer is required")
         if self.max_n < 1:
             raise ValueError("--max-n must be >= 1")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_PARSER_NAMES:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSER_NAMES)}")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSER_NAMES)}")
         # Fill derived defaults here so every reader sees one value (the dataclass is frozen).
         if not self.tokenizer_id:
             object.__setattr__(self, "tokenizer_id", default_tokenizer_id())

@@ -7,23 +7,133 @@ Logprob, Timings, Load) is ringserve.message's, not redeclared here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
+from ringserve.errors import InvalidArgument
 from ringserve.message import Finish, Logprob, SamplingParams, Timings
+from ringserve.text_tokenizer import RESERVED_TEMPLATE_VARIABLES
 from ringserve.v1 import api_pb2
+
+from .parsers.tool_calls import ToolCallDelta
+
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+def _json_field(text: str, name: str, kind: type) -> Any:
+    """A JSON-text field of the request, parsed; INVALID_ARGUMENT naming it when it is not a `kind`."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(name, f"not valid JSON: {e}") from None
+    if not isinstance(value, kind):
+        raise InvalidArgument(name, f"must be a JSON {kind.__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call (OpenAI's tools[].function)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+    @classmethod
+    def from_pb(cls, pb: api_pb2.Tool, i: int) -> Tool:
+        if not pb.name:
+            raise InvalidArgument(f"chat.tools[{i}].name", "required")
+        params = _json_field(pb.parameters_json, f"chat.tools[{i}].parameters_json", dict) \
+            if pb.parameters_json else None
+        return cls(name=pb.name, description=pb.description, parameters=params,
+                   strict=pb.strict if pb.HasField("strict") else None)
+
+    def to_template(self) -> dict[str, Any]:
+        """The shape chat templates read (transformers passes OpenAI's tool dicts)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+
+def _template_message(m: api_pb2.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it. A call's arguments are handed over as an object, as
+    vLLM and SGLang do: templates render them with `tojson`, which would quote a JSON string again."""
+    msg: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        msg["name"] = m.name
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            try:
+                args: Any = json.loads(c.arguments) if c.arguments else {}
+            except ValueError:
+                args = c.arguments  # not JSON: the template gets the text as written
+            calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}})
+        msg["tool_calls"] = calls
+    if m.tool_call_id:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        msg["reasoning_content"] = m.reasoning_content
+    return msg
 
 
 @dataclass(frozen=True)
 class ChatInput:
-    messages: list[dict[str, str]]
+    """A conversation, its tools and how the template renders it. `messages` are template-ready dicts."""
+
+    messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "none"  # TOOL_CHOICE_MODES, or "function" (call `tool_name`)
+    tool_name: str = ""
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    separate_reasoning: bool = True
 
     @classmethod
     def from_pb(cls, pb: api_pb2.ChatInput) -> ChatInput:
-        return cls(messages=[{"role": m.role, "content": m.content} for m in pb.messages],
+        tools = [Tool.from_pb(t, i) for i, t in enumerate(pb.tools)]
+        which = pb.tool_choice.WhichOneof("choice")
+        if which == "function":
+            choice, name = "function", pb.tool_choice.function
+            if name not in {t.name for t in tools}:
+                raise InvalidArgument("chat.tool_choice", f"function {name!r} is not among the tools")
+        elif which == "mode":
+            choice, name = pb.tool_choice.mode, ""
+            if choice not in TOOL_CHOICE_MODES:
+                raise InvalidArgument("chat.tool_choice", f"must be one of {', '.join(TOOL_CHOICE_MODES)} "
+                                      f"or a function, got {choice!r}")
+        else:
+            choice, name = ("auto" if tools else "none"), ""
+        if choice in ("required", "function") and not tools:
+            raise InvalidArgument("chat.tool_choice", f"{choice!r} needs tools")
+        kwargs = _json_field(pb.chat_template_kwargs_json, "chat.chat_template_kwargs_json", dict) \
+            if pb.chat_template_kwargs_json else {}
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+        if reserved:
+            raise InvalidArgument("chat.chat_template_kwargs_json", f"{reserved[0]!r} is set by the server")
+        return cls(messages=[_template_message(m) for m in pb.messages],
                    add_generation_prompt=pb.add_generation_prompt if pb.HasField("add_generation_prompt") else True,
-                   continue_final_message=pb.continue_final_message)
+                   continue_final_message=pb.continue_final_message, tools=tools, tool_choice=choice,
+                   tool_name=name,
+                   parallel_tool_calls=pb.parallel_tool_calls if pb.HasField("parallel_tool_calls") else True,
+                   template_kwargs=kwargs,
+                   separate_reasoning=pb.separate_reasoning if pb.HasField("separate_reasoning") else True)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.to_template() for t in self.tools] or None
+
+    @property
+    def thinking_enabled(self) -> bool:
+        """Whether the template was asked to let the model think (Qwen3's enable_thinking,
+        DeepSeek V3.1's thinking); on unless a kwarg turned it off."""
+        return bool(self.template_kwargs.get("enable_thinking", self.template_kwargs.get("thinking", True)))
 
 
 @dataclass(frozen=True)
@@ -75,6 +185,8 @@ class GenerateOutput:
     finish: Finish | None = None
     e2e_latency: float = 0.0
     timings: Timings | None = None  # with return_timings, on the last output
+    reasoning_text: str = ""  # chat with a reasoning parser: the thinking; `text` holds the answer
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # chat with tools
 
     def to_pb(self) -> api_pb2.GenerateResponse:
         meta = api_pb2.MetaInfo(id=self.rid, prompt_tokens=self.prompt_tokens,
@@ -87,4 +199,6 @@ class GenerateOutput:
                 meta.timings.CopyFrom(self.timings.to_pb())
         return api_pb2.GenerateResponse(rid=self.rid, index=self.index, text=self.text, output_ids=self.output_ids,
                                         logprobs=Logprob.list_to_pb(self.logprobs), finished=self.finished,
-                                        meta_info=meta, input_logprobs=Logprob.list_to_pb(self.input_logprobs))
+                                        meta_info=meta, input_logprobs=Logprob.list_to_pb(self.input_logprobs),
+                                        reasoning_text=self.reasoning_text,
+                                        tool_calls=[c.to_pb() for c in self.tool_calls])

@@ -16,6 +16,8 @@ from typing import Protocol
 from ringserve.errors import ServiceError
 from ringserve.message import Finish, Logprob, TextDelta, Timings, TokenizedReq
 
+from .parsers.chat_output import ChatOutput
+
 log = logging.getLogger(__name__)
 
 
@@ -63,6 +65,7 @@ class ReqState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     input_logprobs_seen: bool = False  # a resync may send them again: pass them on once
+    output: ChatOutput | None = None  # a chat sample's reasoning / tool-call parsing, when it has any
 
     @property
     def rid(self) -> str:

@@ -24,6 +24,7 @@ from ringserve.v1 import api_pb2, api_pb2_grpc
 from .config import TokenizerConfig
 from .detokenizer_client import DetokenizerSubscriber
 from .discovery import SchedulerDiscovery
+from .parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS, detect_tool_parser
 from .routing import make_router
 from .scheduler_client import SchedulerPool
 from .servicer import InferenceServicer
@@ -41,7 +42,15 @@ class TokenizerServer:
     def __init__(self, cfg: TokenizerConfig, tokenizer: TextTokenizer | None = None) -> None:
         self.cfg = cfg
         tls.configure(cfg)  # the scheduler and detokenizer channels follow it too
-        self.tokenizer = tokenizer or TextTokenizer.from_model(cfg.model)
+        self.tokenizer = tokenizer or TextTokenizer.from_model(cfg.model, cfg.chat_template or None)
+        tool_parser = (cfg.tool_call_parser or detect_tool_parser(self.tokenizer.chat_template)
+                       or DEFAULT_TOOL_PARSER)
+        # Some formats open a call with a special token (<|python_tag|>, [TOOL_CALLS]); their text
+        # must then keep special tokens, or the parser never sees the markup.
+        specials = set(self.tokenizer.token_texts(sorted(self.tokenizer.special_ids)))
+        markup_special = any(m in specials for m in TOOL_PARSERS[tool_parser].markers)
+        log.info("tool-call parser %s%s; reasoning parser %s", tool_parser,
+                 "" if cfg.tool_call_parser else " (from the chat template)", cfg.reasoning_parser or "none")
         limits = Limits(served_model_name=cfg.served_model_name, max_n=cfg.max_n,
                         max_stop_strings=cfg.max_stop_strings, max_stop_len=cfg.max_stop_len,
                         max_top_logprobs=cfg.max_top_logprobs)
@@ -56,7 +65,9 @@ class TokenizerServer:
                                                   on_grace_expired=self._on_detokenizer_gone,
                                                   grace_s=cfg.detokenizer_grace_s)
         self.manager = TokenizerManager(
-            ManagerSettings(owner=cfg.tokenizer_id, limits=limits, max_pending_requests=cfg.max_pending_requests),
+            ManagerSettings(owner=cfg.tokenizer_id, limits=limits, max_pending_requests=cfg.max_pending_requests,
+                            tool_call_parser=tool_parser, tool_markup_special=markup_special,
+                            reasoning_parser=cfg.reasoning_parser),
             self.tokenizer, self.schedulers, router, detokenizer_up=self.detokenizers.any_connected)
         servicer = InferenceServicer(self.manager, self.tokenizer, cfg.model, cfg.served_model_name,
                                      cfg.routing_policy, views=lambda: self.schedulers.views(self.manager.in_flight()),

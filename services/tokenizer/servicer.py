@@ -107,7 +107,8 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
                 raise InvalidArgument("chat.messages", "must not be empty")
             try:
                 ids = self.tokenizer.encode_chat(chat.messages, chat.add_generation_prompt,
-                                                 chat.continue_final_message)
+                                                 chat.continue_final_message, chat.template_tools,
+                                                 chat.template_kwargs)
             except ChatTemplateError as e:
                 raise InvalidArgument("chat", str(e)) from e
         elif which == "text":

@@ -25,8 +25,11 @@ import grpc
 from ringserve.errors import AlreadyExists, ResourceExhausted, ServiceError, Unavailable, error_for_status
 from ringserve.message import Load, Logprob, TextDelta, Timings, TokenizedReq
 
-from .io_struct import GenerateInput, GenerateOutput
+from .io_struct import ChatInput, GenerateInput, GenerateOutput
 from .metrics import ModelMetrics
+from .parsers import DEFAULT_TOOL_PARSER, make_reasoning_parser, make_tool_parser
+from .parsers.chat_output import ChatOutput, whole_calls
+from .parsers.forced_calls import ForcedCallParser
 from .request_state import Chunk, ReqState, Wakeup
 from .routing import Router, SchedulerView
 from .validation import Limits, ModelTokenizer, prepare
@@ -71,6 +74,9 @@ class ManagerSettings:
     owner: str
     limits: Limits
     max_pending_requests: int = 4096
+    tool_call_parser: str = DEFAULT_TOOL_PARSER  # for chat requests with tools (tool_choice auto)
+    tool_markup_special: bool = False  # the parser's markup is special tokens: keep them in the text
+    reasoning_parser: str = ""  # empty: reasoning stays in the text
 
 
 class TokenizerManager:
@@ -100,7 +106,10 @@ class TokenizerManager:
         t0 = time.perf_counter()
         prepared = prepare(req, self.tokenizer, self.settings.limits)
         tokenize_s = time.perf_counter() - t0
-        n = len(prepared.samplings)
+        samplings = prepared.samplings
+        if req.chat is not None and req.chat.tool_choice == "auto" and self.settings.tool_markup_special:
+            samplings = [replace(sp, skip_special_tokens=False) for sp in samplings]
+        n = len(samplings)
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         # Re-check after tokenizing: no await above, but keep the check next to the insert.
         if rid in self.groups or any(r in self.rid_to_state for r in rids):
@@ -116,8 +125,8 @@ class TokenizerManager:
                                       top_logprobs_num=req.top_logprobs_num,
                                       logprob_start_len=req.logprob_start_len if req.return_logprob else -1),
                      group=rid, index=i, scheduler=address, event=wakeup, created=arrived,
-                     prompt_tokens=len(prepared.input_ids))
-            for i, (r, sp) in enumerate(zip(rids, prepared.samplings))]
+                     prompt_tokens=len(prepared.input_ids), output=self._chat_output(req.chat))
+            for i, (r, sp) in enumerate(zip(rids, samplings))]
         self.groups[rid] = states
         for s in states:
             self.rid_to_state[s.rid] = s
@@ -177,6 +186,20 @@ class TokenizerManager:
         finally:
             self.release(call)
 
+    def _chat_output(self, chat: ChatInput | None) -> ChatOutput | None:
+        """A sample's output parsing: tool calls when tools may be called, reasoning when the server
+        has a reasoning parser and the request wants it separated. A forced call's output is the
+        call itself (JSON from the grammar, no thinking), read by its own parser."""
+        if chat is None:
+            return None
+        if chat.tool_choice in ("function", "required"):
+            return ChatOutput(None, ForcedCallParser(chat.tool_name if chat.tool_choice == "function" else None))
+        reasoning = make_reasoning_parser(self.settings.reasoning_parser, chat.thinking_enabled) \
+            if self.settings.reasoning_parser and chat.separate_reasoning else None
+        calls = make_tool_parser(self.settings.tool_call_parser, chat.template_tools or []) \
+            if chat.tool_choice == "auto" else None
+        return ChatOutput(reasoning, calls) if reasoning is not None or calls is not None else None
+
     def _output(self, s: ReqState, chunk: Chunk, req: GenerateInput, arrived: float,
                 tokenize_s: float, finished: bool) -> GenerateOutput:
         out = GenerateOutput(rid=s.group, index=s.index, text=chunk.text, output_ids=chunk.ids,
@@ -184,9 +207,15 @@ class TokenizerManager:
                              finished=finished, prompt_tokens=s.prompt_tokens,
                              completion_tokens=s.num_ids, cached_tokens=s.cached_tokens,
                              input_logprobs=self._with_token_texts(chunk.input_logprobs))
+        if s.output is not None:
+            parsed = s.output.feed(chunk.text, finished)
+            out.text, out.reasoning_text = parsed.content, parsed.reasoning
+            out.tool_calls = parsed.calls if req.stream else whole_calls(parsed.calls)
         if finished:
             now = time.monotonic()
             out.finish = s.finish
+            if s.output is not None and s.output.called and s.finish is not None and s.finish.type == "stop":
+                out.finish = replace(s.finish, type="tool_calls")
             out.e2e_latency = now - arrived
             self.metrics.e2e.observe(out.e2e_latency)
             log.info("rid=%s finished reason=%s completion_tokens=%d e2e=%.3fs", s.rid,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from ringserve.errors import InvalidArgument, NotFound
 from ringserve.message import DEFAULT_MAX_NEW_TOKENS, SamplingParams
@@ -21,6 +22,7 @@ from ringserve.stop_regex import problem as stop_regex_problem
 from ringserve.text_tokenizer import ChatTemplateError
 
 from .io_struct import GenerateInput
+from .parsers.forced_calls import forced_call_schema
 
 
 class ModelTokenizer(Protocol):
@@ -29,8 +31,9 @@ class ModelTokenizer(Protocol):
     context_length: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,8 @@ def tokenize_input(req: GenerateInput, tok: ModelTokenizer) -> list[int]:
             raise InvalidArgument("chat.messages", "must not be empty")
         try:
             ids = tok.encode_chat(req.chat.messages, req.chat.add_generation_prompt,
-                                  req.chat.continue_final_message)
+                                  req.chat.continue_final_message, req.chat.template_tools,
+                                  req.chat.template_kwargs)
         except ChatTemplateError as e:
             raise InvalidArgument("chat", str(e)) from e
         if not ids:
@@ -183,9 +187,24 @@ def check_request(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> No
                               f"must be -1 (none) or a prompt position, got {req.logprob_start_len}")
 
 
+def tool_constraint(req: GenerateInput) -> SamplingParams:
+    """The request's sampling, constrained to a valid call when its tool_choice forces one."""
+    chat, sp = req.chat, req.sampling
+    if chat is None or chat.tool_choice not in ("required", "function"):
+        return sp
+    other = [n for n in CONSTRAINTS if getattr(sp, n) is not None]
+    if other:
+        raise InvalidArgument("chat.tool_choice", f"{chat.tool_choice!r} cannot be combined with "
+                              f"{_sp(other[0])} (both constrain the output)")
+    schema = forced_call_schema(chat.template_tools or [], chat.tool_name if chat.tool_choice == "function" else None,
+                                chat.parallel_tool_calls)
+    return replace(sp, json_schema=schema)
+
+
 def prepare(req: GenerateInput, tok: ModelTokenizer, limits: Limits) -> Prepared:
     """Validate, tokenize and expand n: sample i gets seed + i when a seed was given."""
     check_request(req, tok, limits)
     ids = tokenize_input(req, tok)
-    mnt = resolve_max_new_tokens(req.sampling, len(ids), tok.context_length, _input_field(req))
-    return Prepared(input_ids=ids, samplings=[req.sampling.resolve(mnt, i) for i in range(req.sampling.n)])
+    sp = tool_constraint(req)
+    mnt = resolve_max_new_tokens(sp, len(ids), tok.context_length, _input_field(req))
+    return Prepared(input_ids=ids, samplings=[sp.resolve(mnt, i) for i in range(sp.n)])

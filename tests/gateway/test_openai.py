@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
@@ -163,3 +164,41 @@ def test_echo_offsets_end_where_the_echoed_text_does() -> None:
     out = echo_logprobs(lps("<s>", "Hel", "lo", " wor", "ld"), lps("!", "?"), len("Hello world"))
     assert out["text_offset"] == [0, 0, 3, 5, 9, 11, 12]
     assert out["tokens"] == ["<s>", "Hel", "lo", " wor", "ld", "!", "?"]
+
+
+def test_chat_tools_reach_the_tokenizer(client: openai.OpenAI, fake: FakeTokenizer) -> None:
+    """The gateway only reshapes: tools, tool_choice, the history's calls and template kwargs arrive as sent."""
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tool: Any = {"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": params}}
+    msgs: list[Any] = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+    client.chat.completions.create(model=MODEL, messages=msgs, tools=[tool],  # type: ignore[list-item]
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                   parallel_tool_calls=False, max_tokens=2,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                                               "separate_reasoning": False})
+    chat = fake.servicer.calls[-1].chat
+    assert [(t.name, json.loads(t.parameters_json)) for t in chat.tools] == [
+        ("get_weather", tool["function"]["parameters"])]  # type: ignore[index]
+    assert chat.tool_choice.function == "get_weather" and not chat.parallel_tool_calls
+    assert [(c.id, c.name, c.arguments) for c in chat.messages[1].tool_calls] == [
+        ("call_1", "get_weather", '{"city": "Oslo"}')]
+    assert chat.messages[2].tool_call_id == "call_1"
+    assert json.loads(chat.chat_template_kwargs_json) == {"enable_thinking": False}
+    assert chat.HasField("separate_reasoning") and not chat.separate_reasoning
+
+
+def test_unsupported_fields_are_refused_and_unknown_ones_ignored(client: openai.OpenAI) -> None:
+    for field, value in [("lora_path", "a"), ("use_beam_search", True), ("structured_outputs", {"regex": "a"})]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body={field: value})
+        assert e.value.body["param"] == field  # type: ignore[index]  # APIError.body is typed object
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={field: value})
+    ok = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2,
+                                        extra_body={"use_beam_search": False, "no_api_has_this": [1]})
+    assert ok.choices[0].finish_reason == "length"

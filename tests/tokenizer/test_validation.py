@@ -21,7 +21,8 @@ class FakeTok:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % self.vocab_size for c in text]
 
-    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, tools=None,
+                    template_kwargs=None) -> list[int]:
         if messages[0]["role"] == "bad":
             raise ChatTemplateError("roles must alternate")
         return self.encode("".join(m["content"] for m in messages))

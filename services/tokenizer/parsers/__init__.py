@@ -13,9 +13,10 @@ from .reasoning import (
     make_reasoning_parser,
 )
 from .tool_calls import ParseResult, ToolCall, ToolCallDelta, ToolCallParser, ToolDeltas
-from .tool_formats import TOOL_PARSERS, detect_tool_parser, make_tool_parser
+from .tool_formats import DEFAULT_TOOL_PARSER, TOOL_PARSERS, detect_tool_parser, make_tool_parser
 
 __all__ = [
+    "DEFAULT_TOOL_PARSER",
     "REASONING_PARSERS",
     "TOOL_PARSERS",
     "ParseResult",

@@ -42,6 +42,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from ringserve.v1 import api_pb2
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -64,6 +66,10 @@ class ToolCallDelta:
     id: str | None
     name: str | None
     arguments: str
+
+    def to_pb(self) -> api_pb2.ToolCallDelta:
+        return api_pb2.ToolCallDelta(index=self.index, id=self.id or "", name=self.name or "",
+                                     arguments=self.arguments)
 
 
 @dataclass(frozen=True)

@@ -327,6 +327,10 @@ class DeepSeekV3Parser(ToolCallParser):
         return Scan(end, [(m.group(2), args)] if isinstance(args, dict) else None)
 
 
+# When neither --tool-call-parser nor the chat template names one: the most common format, whose
+# parser also reads the bare JSON calls that small models write.
+DEFAULT_TOOL_PARSER = "hermes"
+
 TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
     "qwen25": HermesParser,
