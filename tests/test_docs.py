@@ -84,7 +84,10 @@ def _flags() -> set[str]:
 
     flags = {"--help"}
     for cls in (LauncherConfig, SchedulerServerConfig, TokenizerConfig, DetokenizerConfig, GatewayConfig):
-        flags |= {"--" + f.name.replace("_", "-") for f in dataclasses.fields(cls)}
+        for f in dataclasses.fields(cls):
+            flags.add("--" + f.name.replace("_", "-"))
+            if f.type in ("bool", bool):  # parse_config gives booleans --no-<flag> too
+                flags.add("--no-" + f.name.replace("_", "-"))
     flags |= set(vars(bench_parse([])))  # attribute names, turned into flags below
     return {f if f.startswith("--") else "--" + f.replace("_", "-") for f in flags}
 
