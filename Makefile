@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 MODEL ?=
 ARGS ?=
+RESULTS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint bench bench-100m bench-engine soak clean
+.PHONY: run test proto model install lint bench bench-table bench-100m bench-engine soak clean
 SOAK_S ?= 180
 
 $(STAMP): requirements.txt requirements-dev.txt
@@ -47,6 +48,11 @@ lint: proto
 
 bench: model
 	$(PY) -m bench $(ARGS)
+
+# README.md's Performance table and docs/benchmarks.md's results (and plots) from the newest `make bench`
+# run, or from RESULTS=path/to/results.json.
+bench-table: proto
+	$(PY) -m bench.publish $(RESULTS)
 
 # The ~100M-parameter model of the same family (built on first use), A-C once each: about 7 minutes.
 bench-100m: model

@@ -1,7 +1,8 @@
 """`make bench`: ringserve (gateway, gRPC, in-process engine) side by side with vLLM CPU and transformers.
 
-    python -m bench [--quick] [--targets gateway,native,grpc,engine,vllm,transformers] [--models tiny,100m]
-                    [--workloads A,B,C,D] [--repeats N] [--stream-interval N] [--out DIR]
+    python -m bench [--quick] [--targets gateway,native,grpc,engine,vllm,transformers]
+                    [--models tiny,100m,smollm2-135m-instruct] [--workloads A,B,C,D]
+                    [--repeats N] [--stream-interval N] [--out DIR]
 
 Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
 Writes DIR/results.json, DIR/results.md (the table) and PNG plots; prints the table at the end.
@@ -30,7 +31,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smaller workloads (about 5 minutes)")
     ap.add_argument("--targets", default=",".join(TARGETS),
                     help=f"comma list of {','.join(TARGETS)} (default: all)")
-    ap.add_argument("--models", default="tiny", help="comma list of tiny, 100m or model directories")
+    ap.add_argument("--models", default="tiny",
+                    help="comma list of tiny, 100m, smollm2-135m-instruct (the default model) or model "
+                         "directories (default: tiny)")
     ap.add_argument("--workloads", default="", help="comma list of A,B,C,D (or D@4); default all")
     ap.add_argument("--out", type=Path, default=None, help="default .cache/bench/results/<time>")
     ap.add_argument("--repeats", type=int, default=3,
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     if not wls:
         log("no workload selected")
         return 2
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "quick": args.quick,
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": report.commit(), "argv": sys.argv[1:],
+            "quick": args.quick,
             "repeats": args.repeats,
             "stream_interval": args.stream_interval,
             "targets": {t: DESCRIPTIONS[t] for t in args.targets},

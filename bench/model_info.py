@@ -8,18 +8,24 @@ import sys
 from pathlib import Path
 
 from bench.venvs import ROOT
+from ringserve.model_source import DEFAULT_MODEL, MODELS_DIR, SMOLLM2_DIR_NAME
 
 MODELS = {"tiny": ROOT / ".cache/models/ringserve-tiny-llama", "100m": ROOT / ".cache/models/ringserve-100m-llama"}
 
 
 def resolve(name: str) -> Path:
-    """`tiny` / `100m` (built if missing, via ringserve.default_model) or a model directory."""
+    """`tiny` / `100m` (built if missing, via ringserve.default_model), the default model's name
+    (`smollm2-135m-instruct`: fetched and converted once, as `make run` does) or a model directory."""
     if name in MODELS:
         subprocess.run([sys.executable, "-m", "ringserve.default_model", "--shape", name], check=True, cwd=ROOT)
         return MODELS[name]
+    if name == DEFAULT_MODEL:
+        subprocess.run([sys.executable, "-m", "ringserve.model_source", name], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)
+        return MODELS_DIR / SMOLLM2_DIR_NAME
     path = Path(name).resolve()
     if not (path / "config.json").exists():
-        raise SystemExit(f"--models: {name} is neither tiny/100m nor a model directory")
+        raise SystemExit(f"--models: {name} is neither tiny, 100m, {DEFAULT_MODEL} nor a model directory")
     return path
 
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 from bench.targets import RunResult
@@ -137,6 +138,20 @@ def machine() -> dict:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_gib, 1), "python": platform.python_version(),
             "platform": platform.platform()}
+
+
+def commit() -> str:
+    """The checked-out commit (`git rev-parse --short HEAD`), `-dirty` when tracked files differ from it, so
+    a published table says which code it measured; "" outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("-dirty" if dirty else "")
 
 
 def write(out: Path, results: list[RunResult], meta: dict) -> Path:
