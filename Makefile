@@ -61,9 +61,10 @@ bench-100m: model
 bench-engine: model
 	$(PY) -m bench.engine_bench $(ARGS)
 
-# 256 streaming clients for SOAK_S seconds through the gateway (not part of `make test`).
+# 256 streaming clients for SOAK_S seconds through the gateway on MODEL (default: the tiny test model); `make test`
+# runs a one-minute version (test_soak_short).
 soak: model
-	RINGSERVE_SOAK_S=$(SOAK_S) $(PY) -m pytest -q -s -m soak tests/resilience/test_soak.py $(PYTEST_ARGS)
+	RINGSERVE_SOAK_S=$(SOAK_S) RINGSERVE_SOAK_MODEL=$(MODEL) $(PY) -m pytest -q -s -m soak tests/resilience/test_soak.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf ringserve/v1 .cache .mypy_cache .ruff_cache

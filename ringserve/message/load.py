@@ -17,6 +17,9 @@ class Load:
     token_usage: float = 0.0         # num_used_tokens / max_total_num_tokens
     cache_hit_rate: float = 0.0      # share of prompt tokens served from the prefix cache, since start
     gen_throughput: float = 0.0      # output tokens per second over the last interval
+    memory_accounted_bytes: int = 0  # the scheduler's accounted buffers now (services/scheduler/memory.py)
+    memory_bound_bytes: int = 0      # the most they can hold, as configured
+    rss_bytes: int = 0               # the scheduler process's resident set
 
     @property
     def num_reqs(self) -> int:

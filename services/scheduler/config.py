@@ -54,6 +54,11 @@ class EngineConfig:
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_h("abort a request whose grammar takes "
                                                                         "longer than this to compile"))
     grammar_cache_size: int = field(default=256, metadata=_h("compiled grammars kept (LRU)"))
+    grammar_cache_mib: int = field(default=64, metadata=_h("MiB of compiled grammars kept (LRU, with "
+                                                            "--grammar-cache-size)"))
+    decode_cache_mib: int | None = field(default=None, metadata=_h(
+        "CPU decode: MiB for the dense per-request K/V copies (a quarter more for shared prefixes); "
+        "beyond it decode gathers from the pool (slower). Default: twice the KV pool, at least 1024"))
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -74,6 +79,10 @@ class EngineConfig:
             raise ValueError("grammar_compile_timeout_s: must be > 0")
         if self.grammar_cache_size < 1:
             raise ValueError("grammar_cache_size: must be >= 1")
+        if self.grammar_cache_mib < 1:
+            raise ValueError("grammar_cache_mib: must be >= 1")
+        if self.decode_cache_mib is not None and self.decode_cache_mib < 0:
+            raise ValueError("decode_cache_mib: must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerServerConfig
 from services.scheduler.core.engine import Engine
 from services.scheduler.grammar import GrammarMetrics
+from services.scheduler.memory import MemoryBudgetError
 from services.scheduler.rpc.metrics import SchedulerMetrics
 from services.scheduler.rpc.pusher import DetokenizerPusher
 from services.scheduler.rpc.servicer import SchedulerServicer
@@ -69,12 +70,16 @@ class SchedulerServer:
         await self.grpc.start()
         t0 = time.monotonic()
         grammar_metrics = GrammarMetrics(cfg.model)  # queue and masker update it themselves
-        engine = await asyncio.to_thread(Engine, cfg.engine, None, grammar_metrics)
+        try:
+            engine = await asyncio.to_thread(Engine, cfg.engine, None, grammar_metrics)
+        except MemoryBudgetError:  # __main__ prints it; the gRPC server goes down cleanly first
+            await self.grpc.drain(0.0)
+            raise
         log.info("model %s loaded in %.1fs; warming up", cfg.model, time.monotonic() - t0)
         await asyncio.to_thread(engine.warmup)
         log.info("warm-up done; KV pool %d tokens", engine.max_total_num_tokens)
         self.metrics = SchedulerMetrics(cfg.model, PAGE_SIZE, engine.max_total_num_tokens, engine.load,
-                                        engine.stats)
+                                        engine.stats, engine.memory_items)
         self.engine = engine
         pusher = DetokenizerPusher(cfg.detokenizer, cfg.id, on_connect=lambda: engine.request_resync(None),
                                    on_resync=lambda owner: engine.request_resync(owner or None),

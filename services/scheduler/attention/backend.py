@@ -56,7 +56,7 @@ class SDPAMetadata:
 class TorchSDPABackend:
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
-                 native: NativeKernels | None = None) -> None:
+                 native: NativeKernels | None = None, decode_cache_bytes: int | None = None) -> None:
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool
         self.num_heads = num_heads
@@ -72,7 +72,8 @@ class TorchSDPABackend:
         self.native = native  # CPU float32: the C kernels (decode over the dense cache, and prefill)
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
-                                       self.req_to_token.shape[1], native=native is not None)
+                                       self.req_to_token.shape[1], max_bytes=decode_cache_bytes,
+                                       native=native is not None)
                       if self.device.type == "cpu" else None)
 
     # ---- per forward pass ----

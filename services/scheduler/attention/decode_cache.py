@@ -14,8 +14,10 @@ slowly, so this cache keeps each running request's K/V in a dense row that persi
   by a new request, is never read from a stale copy.
 
 The pool stays the source of truth; this is a cache that can be dropped at any time (`reset`), and
-it declines (returns None) when its buffers would exceed `max_bytes` (by default twice the pool's
-bytes, at least 1 GiB; it grows by doubling while that fits, else to just what the batch needs).
+it declines (returns None) when its buffers would exceed `max_bytes` (--decode-cache-mib; by default
+twice the pool's bytes, at least 1 GiB: `default_budget`); it grows by doubling while that fits, else
+to just what the batch needs. The engine drops it (`reset`) once the scheduler is idle, so buffers
+grown for a burst are returned when the burst is over (memory.py).
 
 With `native` (the C decode kernel reads the rows), a request joining the batch whose first slots
 are another running request's (a prefix shared through the radix cache) gets that prefix from one
@@ -32,6 +34,18 @@ from services.scheduler.kvcache.memory_pool import TokenToKVPool, doubled, round
 
 MIN_BUDGET = 1 << 30   # bytes the dense rows may take at least ...
 POOL_MULTIPLE = 2      # ... or this many times the KV pool's, whichever is more
+
+
+def default_budget(pool_bytes: int) -> int:
+    """Bytes the dense rows may take by default. The rows are padded to the longest, so a batch that
+    fits the pool can need more than the pool's bytes here; without this cache a decode step gathers
+    the pool (far slower)."""
+    return max(MIN_BUDGET, POOL_MULTIPLE * pool_bytes)
+
+
+def shared_budget(max_bytes: int) -> int:
+    """Bytes the shared-prefix copies may take besides the rows' max_bytes."""
+    return max_bytes // 4
 
 
 class DecodeRows:
@@ -56,11 +70,7 @@ class DenseDecodeCache:
         self.req_to_token = req_to_token
         self.num_layers = num_layers
         self.max_context_len = max_context_len
-        if max_bytes is None:
-            # The rows are padded to the longest, so a batch that fits the pool can need more than
-            # the pool's bytes here; without this cache a decode step gathers the pool (far slower).
-            max_bytes = max(MIN_BUDGET, POOL_MULTIPLE * kv_pool.bytes_per_token * kv_pool.size)
-        self.max_bytes = max_bytes
+        self.max_bytes = default_budget(kv_pool.bytes_per_token * kv_pool.size) if max_bytes is None else max_bytes
         self.row_of: dict[int, int] = {}  # req_pool_idx -> dense row
         self.req_at: list[int] = []       # dense row -> req_pool_idx
         # K is kept transposed, so q @ K^T streams each row's keys position-contiguous (torch: 0.63
@@ -68,7 +78,7 @@ class DenseDecodeCache:
         self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
         self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
         self.native = native
-        self.shared = SharedPrefixes(kv_pool, num_layers, max_bytes // 4) if native else None
+        self.shared = SharedPrefixes(kv_pool, num_layers, shared_budget(self.max_bytes)) if native else None
         self.entry_at: list[int] = []     # dense row -> its shared prefix entry (-1: none)
         self.plen_at: list[int] = []      # dense row -> that prefix's length (its row starts after it)
         self.len_at: list[int] = []       # dense row -> positions written in it (after the prefix)
@@ -82,6 +92,10 @@ class DenseDecodeCache:
         self.k, self.v = [], []
         if self.shared is not None:
             self.shared.reset()
+
+    def held_bytes(self) -> int:
+        """Bytes of the rows' buffers (reserved: pages not yet written are counted too)."""
+        return sum(t.nbytes for t in (*self.k, *self.v))
 
     def invalidate(self, req_pool_indices: list[int]) -> None:
         for idx in req_pool_indices:

@@ -37,6 +37,10 @@ class SharedPrefixes:
         self.refs.clear()
         self.k, self.v = [], []
 
+    def held_bytes(self) -> int:
+        """Bytes of the entries' buffers (reserved, written or not)."""
+        return sum(t.nbytes for t in (*self.k, *self.v))
+
     def __len__(self) -> int:
         return sum(s is not None for s in self.slots)
 

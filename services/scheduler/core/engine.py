@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from ringserve.message import Load, SamplingParams, StepBatch, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
+from services.scheduler import memory
 from services.scheduler.config import EngineConfig
 from services.scheduler.core import prompt_logprobs
 from services.scheduler.core.finish import FinishChecker
@@ -65,12 +66,16 @@ class Engine:
         self.cfg = cfg
         prefetch = GrammarPrefetch.start(cfg.grammar_backend)  # its import overlaps the model load
         log.info("loading model %s", cfg.model)
+        grammar_bound = ([memory.Bound(cfg.grammar_cache_mib << 20, "grammar cache", "--grammar-cache-mib")]
+                         if cfg.grammar_backend != "none" else [])
         self.runner = runner or ModelRunner(
             cfg.model, device=cfg.device, dtype=cfg.dtype, max_total_tokens=cfg.max_total_tokens,
             mem_fraction=cfg.mem_fraction, max_running_requests=cfg.max_running_requests,
             context_length=cfg.context_length, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             disable_cuda_graph=cfg.disable_cuda_graph, num_threads=cfg.num_threads, decode_threads=cfg.decode_threads,
-            cpu_kernels=not cfg.disable_cpu_kernels, kernel_cache=cfg.kernel_cache)
+            cpu_kernels=not cfg.disable_cpu_kernels, kernel_cache=cfg.kernel_cache,
+            decode_cache_bytes=None if cfg.decode_cache_mib is None else cfg.decode_cache_mib << 20,
+            other_bounds=grammar_bound)
         self.tokenizer = TextTokenizer.from_model(cfg.model)
         self.tree = RadixCache(self.runner.token_to_kv_pool, self.runner.device, disable=cfg.disable_radix_cache)
         self.kv = KVManager(self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.tree)
@@ -163,9 +168,13 @@ class Engine:
     def run(self, stop: threading.Event, send: Send, on_step: Callable[[list[TokenDelta]], None] | None = None) -> None:
         """The engine thread until `stop`: wait for work, step, send. A bug exits the process (to be
         restarted) rather than leave the service up with a dead engine."""
+        released = True  # nothing grown yet
         while not stop.is_set():
             if not self.wait_for_work(IDLE_WAIT_S):
+                if not released:
+                    released = self.release_idle()
                 continue
+            released = False
             try:
                 out = self.step()
             except Exception:
@@ -179,6 +188,28 @@ class Engine:
                 send(StepBatch(out, sent_at=time.time()), False)
             if on_step is not None:
                 on_step(out)
+
+    def release_idle(self) -> bool:
+        """Once idle (IDLE_WAIT_S without work): return what the load grew (decode caches, allocator
+        free lists) to the OS, so the process's RSS goes back to its idle level. False if busy again."""
+        with self._lock:
+            if self.has_work():
+                return False
+            t0 = time.monotonic()
+            rss0 = memory.rss_bytes()
+            self.runner.release_idle()
+            log.info("idle: released %.0f MiB in %.0f ms (RSS %.0f MiB)", (rss0 - memory.rss_bytes()) / memory.MIB,
+                     1000 * (time.monotonic() - t0), memory.rss_bytes() / memory.MIB)
+            return True
+
+    def memory_items(self) -> list[memory.MemoryItem]:
+        """Each holder of the scheduler's memory now, with its bound (memory.py's table)."""
+        tree = self.tree
+        slots = 8 * tree.total_size()  # int64 slot ids; the nodes' Python objects are runtime
+        return [*self.runner.memory_items(),
+                memory.MemoryItem("radix_cache", slots, 8 * self.max_total_num_tokens, "--max-total-tokens"),
+                self.grammar.memory_item(),
+                memory.MemoryItem("malloc_free", (free := memory.malloc_free_bytes()), free, "returned when idle")]
 
     def take_resyncs(self) -> list[tuple[str | None, list[TokenDelta]]]:
         with self._lock:
@@ -223,7 +254,9 @@ class Engine:
         if time.monotonic() - self._last_step > 2 * THROUGHPUT_WINDOW_S and ld.gen_throughput:
             ld = dataclasses.replace(ld, gen_throughput=0.0)
         pending = self.inbox.pending_requests
-        return dataclasses.replace(ld, num_queue_reqs=ld.num_queue_reqs + pending) if pending else ld
+        used, bound = memory.total(self.memory_items())
+        return dataclasses.replace(ld, num_queue_reqs=ld.num_queue_reqs + pending, memory_accounted_bytes=used,
+                                   memory_bound_bytes=bound, rss_bytes=memory.rss_bytes())
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters as of the last step (safe from any thread)."""

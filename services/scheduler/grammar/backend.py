@@ -68,6 +68,11 @@ class CompiledGrammar(ABC):
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar."""
 
+    def memory_bytes(self) -> int:
+        """Bytes the compiled grammar holds (the grammar cache's byte bound counts them); 0 where the
+        backend cannot tell."""
+        return 0
+
 
 class GrammarBackend(ABC):
     """Compiles constraints for one model's vocabulary and applies their masks to logits."""

@@ -18,6 +18,7 @@ import torch
 from ringserve.message import Finish
 from services.scheduler.core.req import Req
 from services.scheduler.grammar import GrammarMasker, GrammarQueue, GrammarQueueFull, constraint_of, field_of
+from services.scheduler.memory import MemoryItem
 
 
 class GrammarGlue:
@@ -27,6 +28,14 @@ class GrammarGlue:
         self.queue = queue
         self.masker = masker
         self.reqs: dict[str, Req] = {}   # rid -> request whose grammar is compiling (the "grammar_reqs")
+
+    def memory_item(self) -> MemoryItem:
+        """The compiled grammars cached and the mask buffer, against their bounds (memory.py)."""
+        if self.queue is None or self.masker is None:
+            return MemoryItem("grammar", 0, 0, "--grammar-backend none")
+        cache, mask = self.queue.cache, self.masker.bitmask.nbytes  # host bytes (a CUDA copy is on the device)
+        return MemoryItem("grammar", cache.bytes + mask, cache.max_bytes + mask,
+                          "--grammar-cache-mib, --max-running-requests")
 
     @staticmethod
     def is_constrained(req: Req) -> bool:

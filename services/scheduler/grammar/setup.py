@@ -68,7 +68,8 @@ def build_grammar(cfg: EngineConfig, runner, prefetch: GrammarPrefetch, on_ready
         log.info("constrained decoding disabled")
         return GrammarGlue(None, None)
     log.info("grammar backend %s ready in %.1fs", backend.name, time.monotonic() - t0)
-    queue = GrammarQueue(backend, GrammarCache(cfg.grammar_cache_size), timeout_s=cfg.grammar_compile_timeout_s,
+    cache = GrammarCache(cfg.grammar_cache_size, cfg.grammar_cache_mib << 20)
+    queue = GrammarQueue(backend, cache, timeout_s=cfg.grammar_compile_timeout_s,
                          max_size=cfg.max_queued_requests, on_ready=on_ready, metrics=metrics)
     masker = GrammarMasker(backend, cfg.max_running_requests, runner.device, metrics)
     return GrammarGlue(queue, masker)

@@ -68,6 +68,9 @@ class XCompiledGrammar(CompiledGrammar):
     def matcher(self) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(self.compiled))
 
+    def memory_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
 
 class XGrammarBackend(GrammarBackend):
     """any_whitespace=False (default) makes JSON compact and canonical (", " and ": " separators):

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import torch
 
+from services.scheduler import memory
 from services.scheduler.attention.backend import TorchSDPABackend
+from services.scheduler.attention.decode_cache import default_budget, shared_budget
 from services.scheduler.kernels import cpu_linear
 from services.scheduler.kernels.cpu_kernels import load as load_cpu_kernels
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -31,7 +34,10 @@ class ModelRunner:
                  max_running_requests: int = 256, context_length: int | None = None,
                  cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
                  num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
-                 kernel_cache: str | None = None) -> None:
+                 kernel_cache: str | None = None, decode_cache_bytes: int | None = None,
+                 other_bounds: Sequence[memory.Bound] = ()) -> None:
+        """other_bounds: host memory the caller will allocate besides the
+        runner's (the grammar cache), for the startup memory check."""
         t0 = time.monotonic()
         self.model_path = model_path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -66,11 +72,14 @@ class ModelRunner:
                     self.context_length, self.dtype, self.device)
 
         self.model = self._load_model(path)
+        self.weights_bytes = _weights_bytes(self.model)
         logger.info("weights loaded in %.1fs", time.monotonic() - t0)
 
         attn = self.model.first_attention()
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.max_total_num_tokens = self._kv_budget(max_total_tokens, mem_fraction, max_running_requests)
+        self.decode_cache_bytes = decode_cache_bytes
+        self._check_memory(max_running_requests, list(other_bounds))
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, self.context_length + 4, self.device)
         self.token_to_kv_pool = TokenToKVPool(self.max_total_num_tokens, cfg.num_hidden_layers,
                                               self.num_kv_heads, self.head_dim, self.dtype, self.device)
@@ -114,12 +123,66 @@ class ModelRunner:
         # torch SDPA on CPU and CUDA alike (a flashinfer backend is not written yet; see attention.py).
         logger.info("attention backend: torch SDPA%s", ", decode and prefill on the C kernels" if self.native else "")
         return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
-                                self.num_heads, self.num_kv_heads, self.head_dim, native=self.native)
+                                self.num_heads, self.num_kv_heads, self.head_dim, native=self.native,
+                                decode_cache_bytes=self.decode_cache_bytes)
+
+    def _check_memory(self, max_running: int, other_bounds: list[memory.Bound]) -> None:
+        """Before the pools exist: do their bounds (and the decode caches', on CPU) fit? Raises
+        memory.MemoryBudgetError naming the setting to lower (memory.py)."""
+        kv = self.max_total_num_tokens * self._kv_bytes_per_token()
+        rows = (max_running + 1) * (self.context_length + 4) * 8
+        device = [memory.Bound(kv, "KV pool", "--max-total-tokens"),
+                  memory.Bound(rows, "request rows", "--max-running-requests")]
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            memory.check_fits(device, (free, f"free memory on {self.device}"), headroom=0)
+            memory.check_fits(other_bounds, memory.room_bytes())
+            return
+        if self.decode_cache_bytes is None:  # twice the pool by default: the pool's setting sizes it
+            decode = default_budget(kv)
+            cache = memory.Bound(decode + shared_budget(decode), "decode caches",
+                                 "--max-total-tokens or set --decode-cache-mib")
+        else:
+            decode = self.decode_cache_bytes
+            cache = memory.Bound(decode + shared_budget(decode), "decode caches", "--decode-cache-mib")
+        memory.check_fits([*device, cache, *other_bounds], memory.room_bytes())
+
+    def _kv_bytes_per_token(self) -> int:
+        return 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def memory_items(self) -> list[memory.MemoryItem]:
+        """What the runner holds now and each holder's bound (memory.py's table)."""
+        kv, rows = self.token_to_kv_pool, self.req_to_token_pool
+        kv_bytes = sum(t.nbytes for t in (*kv.k_buffer, *kv.v_buffer))
+        items = [memory.MemoryItem("weights", self.weights_bytes, self.weights_bytes, "--model, --dtype"),
+                 memory.MemoryItem("kv_pool", kv_bytes, kv_bytes, "--max-total-tokens"),
+                 memory.MemoryItem("req_to_token", rows.req_to_token.nbytes, rows.req_to_token.nbytes,
+                                   "--max-running-requests")]
+        dense = self.attn_backend.dense
+        if dense is not None:
+            items.append(memory.MemoryItem("decode_rows", dense.held_bytes(), dense.max_bytes, "--decode-cache-mib"))
+            shared = dense.shared
+            if shared is not None:
+                items.append(memory.MemoryItem("shared_prefixes", shared.held_bytes(), shared.max_bytes,
+                                               "--decode-cache-mib / 4"))
+        if self.device.type == "cuda":
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            items.append(memory.MemoryItem("cuda_cached", cached, cached, "returned when idle"))
+        return items
+
+    def release_idle(self) -> None:
+        """With nothing running: drop the buffers grown for the load (decode caches) and hand the
+        allocators' free memory back to the OS."""
+        if self.attn_backend.dense is not None:
+            self.attn_backend.dense.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        memory.malloc_trim()
 
     def _kv_budget(self, max_total_tokens: int | None, mem_fraction: float, max_running: int) -> int:
         if max_total_tokens is not None:
             return int(max_total_tokens)
-        per_token = 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        per_token = self._kv_bytes_per_token()
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * mem_fraction
@@ -191,6 +254,18 @@ def _logit_index(extend_lens: list[int], logit_rows: list[int] | None, device: t
         end += n
         index.extend(range(end - k, end))
     return None if len(index) == end else torch.tensor(index, dtype=torch.int64).to(device)
+
+
+def _weights_bytes(model: torch.nn.Module) -> int:
+    """Parameters and buffers (rotary tables), plus the oneDNN-packed copies of the linear weights."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers(),
+              *(m.packed for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))):
+        if id(t) not in seen:  # tied weights count once
+            seen.add(id(t))
+            total += t.nbytes
+    return total
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Gauge, Histogram, Info
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ringserve.message import Load
+from services.scheduler import memory
 from services.scheduler.core.scheduler import SchedulerStats
 
 _LABELS = ["model_name"]
@@ -22,7 +23,7 @@ class SchedulerMetrics:
     """Create once per process (prometheus_client's default registry rejects duplicates)."""
 
     def __init__(self, model_name: str, page_size: int, num_pages: int, load: Callable[[], Load],
-                 stats: Callable[[], SchedulerStats]) -> None:
+                 stats: Callable[[], SchedulerStats], memory_items: Callable[[], list[memory.MemoryItem]]) -> None:
         def gauge(name: str, doc: str, attr: str, of: Callable[[], object] = load) -> None:
             Gauge(name, doc, _LABELS).labels(model_name).set_function(lambda: getattr(of(), attr))
 
@@ -40,6 +41,7 @@ class SchedulerMetrics:
         Info("sglang:cache_config", "KV cache configuration").info(
             {"model_name": model_name, "page_size": str(page_size), "num_pages": str(num_pages)})
         REGISTRY.register(StepProfile(model_name, stats))
+        REGISTRY.register(MemoryProfile(model_name, memory_items))
 
 
 class StepProfile:
@@ -63,3 +65,34 @@ class StepProfile:
                                    labels=["model_name"])
         rows.add_metric([self.model_name], ld.decode_rows)
         yield from (steps, secs, rows)
+
+
+class MemoryProfile:
+    """The scheduler's memory by holder (services/scheduler/memory.py), read at scrape time: bytes held
+    and each holder's bound, their sums, and the process's RSS beside them (the difference is the
+    runtime: interpreter, torch, libraries, request objects)."""
+
+    def __init__(self, model_name: str, items: Callable[[], list[memory.MemoryItem]]) -> None:
+        self.model_name = model_name
+        self.items = items
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        items = self.items()
+        labels = ["model_name", "component"]
+        held = GaugeMetricFamily("ringserve:memory_bytes", "Bytes held by each accounted part of the scheduler",
+                                 labels=labels)
+        bound = GaugeMetricFamily("ringserve:memory_bound_bytes", "The most each accounted part can hold, as "
+                                  "configured", labels=labels)
+        for i in items:
+            held.add_metric([self.model_name, i.name], i.used_bytes)
+            bound.add_metric([self.model_name, i.name], i.bound_bytes)
+        used, most = memory.total(items)
+        yield held
+        yield bound
+        for name, doc, value in (
+                ("ringserve:memory_accounted_bytes", "Sum of ringserve:memory_bytes", used),
+                ("ringserve:memory_accounted_bound_bytes", "Sum of ringserve:memory_bound_bytes", most),
+                ("ringserve:memory_rss_bytes", "The scheduler process's resident set", memory.rss_bytes())):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
