@@ -165,6 +165,9 @@ def test_gpu_reservation_and_cpu_override() -> None:
     assert cpu["build"] == {**services["scheduler"]["build"], "target": "scheduler-cpu"}
     assert compose.environment(cpu)["RINGSERVE_DEVICE"] == "cpu"
     assert cpu["command"] == services["scheduler"]["command"]
+    # On CPU the KV pool, weights and decode caches are host memory: sized from the default model's
+    # accounted bounds plus its runtime (docs/deployment.md, "Memory").
+    assert (cpu["mem_reservation"], cpu["mem_limit"]) == ("6g", "7g")
 
 
 def test_interpolation_passes_model_and_token_through() -> None:

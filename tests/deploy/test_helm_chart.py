@@ -32,6 +32,7 @@ from tests.deploy._helm import (  # noqa: F401
     container,
     deployments,
     helm,
+    objects,
     render,
     values_of,
 )
@@ -164,6 +165,17 @@ def test_gpu_request_on_scheduler_only(case) -> None:
             assert flag not in c["args"]
         else:
             assert float(arg(c, flag)) == float(sched_values[key_])
+
+
+def test_scheduler_memory_follows_the_device() -> None:
+    """device=cpu holds the KV pool, weights and decode caches in host memory: cpuResources (sized from
+    the accounted bounds, docs/deployment.md "Memory"); device=cuda: resources."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["scheduler"]
+    for device, key in (("cpu", "cpuResources"), ("cuda", "resources")):
+        res = container(deployments(objects(render({"scheduler": {"device": device}})))["scheduler"])["resources"]
+        assert res["requests"]["memory"] == defaults[key]["requests"]["memory"], device
+        assert res["limits"]["memory"] == defaults[key]["limits"]["memory"], device
+    assert defaults["cpuResources"]["requests"]["memory"] == "6Gi"
 
 
 def test_ring_wiring(case) -> None:
