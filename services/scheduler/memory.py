@@ -5,15 +5,18 @@ the bounds is the most the scheduler can hold besides its runtime (interpreter, 
 
 | component        | holds                                          | bound set by                           |
 |------------------|------------------------------------------------|----------------------------------------|
-| weights          | parameters, rotary tables, oneDNN-packed copies | --model, --dtype                       |
+| weights          | parameters and their oneDNN-packed copies       | --model, --dtype                       |
 | kv_pool          | per-layer K/V of every pool slot               | --max-total-tokens (else from memory)  |
 | req_to_token     | slot table, one row per running request        | --max-running-requests x context       |
 | radix_cache      | the cached prefixes' slot ids (int64 each)     | the KV pool's size                     |
 | decode_rows      | CPU decode's dense per-request K/V copies      | --decode-cache-mib                     |
 | shared_prefixes  | CPU decode's shared-prefix K/V copies          | a quarter of --decode-cache-mib        |
 | grammar          | compiled grammars (LRU) and the mask buffer    | --grammar-cache-mib, --max-running-requests |
-| malloc_free      | freed bytes glibc keeps in its arenas          | returned (malloc_trim) when idle       |
 | cuda_cached      | torch's CUDA caching allocator's unused blocks | returned (empty_cache) when idle       |
+
+glibc's free bytes (`malloc_free_bytes`) are reported beside, not summed: `malloc_trim` returns their
+pages to the OS when idle, but glibc keeps counting them until they are reused, so the figure is an
+upper bound on what the allocator holds.
 
 `check_fits` runs at startup, after the weights are loaded and before the pools are allocated: if the
 runtime so far plus the bounds still to be allocated exceed the memory the process may use (the

@@ -208,8 +208,7 @@ class Engine:
         slots = 8 * tree.total_size()  # int64 slot ids; the nodes' Python objects are runtime
         return [*self.runner.memory_items(),
                 memory.MemoryItem("radix_cache", slots, 8 * self.max_total_num_tokens, "--max-total-tokens"),
-                self.grammar.memory_item(),
-                memory.MemoryItem("malloc_free", (free := memory.malloc_free_bytes()), free, "returned when idle")]
+                self.grammar.memory_item()]
 
     def take_resyncs(self) -> list[tuple[str | None, list[TokenDelta]]]:
         with self._lock:

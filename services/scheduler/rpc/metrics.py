@@ -70,7 +70,7 @@ class StepProfile:
 class MemoryProfile:
     """The scheduler's memory by holder (services/scheduler/memory.py), read at scrape time: bytes held
     and each holder's bound, their sums, and the process's RSS beside them (the difference is the
-    runtime: interpreter, torch, libraries, request objects)."""
+    runtime: interpreter, torch, libraries, request objects), and glibc's free bytes."""
 
     def __init__(self, model_name: str, items: Callable[[], list[memory.MemoryItem]]) -> None:
         self.model_name = model_name
@@ -92,7 +92,10 @@ class MemoryProfile:
         for name, doc, value in (
                 ("ringserve:memory_accounted_bytes", "Sum of ringserve:memory_bytes", used),
                 ("ringserve:memory_accounted_bound_bytes", "Sum of ringserve:memory_bound_bytes", most),
-                ("ringserve:memory_rss_bytes", "The scheduler process's resident set", memory.rss_bytes())):
+                ("ringserve:memory_rss_bytes", "The scheduler process's resident set", memory.rss_bytes()),
+                ("ringserve:memory_malloc_free_bytes", "Free bytes in glibc's malloc arenas, not in the sums: "
+                 "malloc_trim returns their pages when idle, but glibc counts them until reused",
+                 memory.malloc_free_bytes())):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
             yield g
