@@ -113,8 +113,8 @@ async def stop_profile(request: Request) -> PlainTextResponse:
 @router.get("/get_load", responses=ERRORS)
 async def get_load(request: Request) -> list[dict[str, Any]]:
     """SGLang's shape: one entry per scheduler (its dp_rank is its position)."""
-    resp = await get_state(request).backend.control("GetLoad", pb.GetServerLoadRequest())
-    assert isinstance(resp, pb.GetServerLoadResponse)
+    resp = await get_state(request).backend.control("GetLoad", pb.InferenceServiceGetLoadRequest())
+    assert isinstance(resp, pb.InferenceServiceGetLoadResponse)
     return [{"dp_rank": i, "num_reqs": ld.num_running_reqs + ld.num_queue_reqs,
              "num_waiting_reqs": ld.num_queue_reqs, "num_tokens": ld.num_used_tokens,
              "address": ld.address, "connected": ld.connected} for i, ld in enumerate(resp.loads)]

@@ -52,14 +52,14 @@ class SchedulerOps:
         pb_mode = PAUSE_MODES.get(mode)
         if pb_mode is None:
             raise InvalidArgument("mode", f"{mode!r} is not one of abort, retract, in_place")
-        resps = await self._all(lambda c: c.stub.PauseGeneration(scheduler_pb2.SchedulerPauseRequest(mode=pb_mode),
-                                                                 timeout=CONTROL_TIMEOUT_S))
+        sreq = scheduler_pb2.SchedulerServicePauseGenerationRequest(mode=pb_mode)
+        resps = await self._all(lambda c: c.stub.PauseGeneration(sreq, timeout=CONTROL_TIMEOUT_S))
         for c in self.pool.conns.values():
             c.paused = mode or "abort"
         return sum(r.num_requests for r in resps)
 
     async def resume(self) -> None:
-        await self._all(lambda c: c.stub.ContinueGeneration(scheduler_pb2.SchedulerContinueRequest(),
+        await self._all(lambda c: c.stub.ContinueGeneration(scheduler_pb2.SchedulerServiceContinueGenerationRequest(),
                                                             timeout=CONTROL_TIMEOUT_S))
         for c in self.pool.conns.values():
             c.paused = ""
@@ -70,11 +70,11 @@ class SchedulerOps:
     async def update_weights(self, req: api_pb2.UpdateWeightsFromDiskRequest) -> api_pb2.UpdateWeightsFromDiskResponse:
         if not req.model_path:
             raise InvalidArgument("model_path", "required")
-        sreq = scheduler_pb2.UpdateWeightsRequest(model_path=req.model_path, load_format=req.load_format,
-                                                  abort_all_requests=req.abort_all_requests,
-                                                  weight_version=req.weight_version)
+        sreq = scheduler_pb2.SchedulerServiceUpdateWeightsFromDiskRequest(
+            model_path=req.model_path, load_format=req.load_format, abort_all_requests=req.abort_all_requests,
+            weight_version=req.weight_version)
 
-        async def one(c: SchedulerConnection) -> scheduler_pb2.UpdateWeightsResponse:
+        async def one(c: SchedulerConnection) -> scheduler_pb2.SchedulerServiceUpdateWeightsFromDiskResponse:
             resp = await c.stub.UpdateWeightsFromDisk(sreq, timeout=UPDATE_TIMEOUT_S)
             if resp.success:
                 c.weight_version = resp.weight_version
@@ -90,25 +90,16 @@ class SchedulerOps:
                                                      num_paused_requests=sum(r.num_paused_requests for r in resps))
 
     async def start_profile(self, req: api_pb2.StartProfileRequest) -> str:
-        sreq = scheduler_pb2.SchedulerStartProfileRequest(
+        sreq = scheduler_pb2.SchedulerServiceStartProfileRequest(
             output_dir=req.output_dir, activities=req.activities, with_stack=req.with_stack,
             record_shapes=req.record_shapes, profile_prefix=req.profile_prefix)
         if req.HasField("num_steps"):
             sreq.num_steps = req.num_steps
         resps = await self._all(lambda c: c.stub.StartProfile(sreq, timeout=CONTROL_TIMEOUT_S))
-        _raise_refused(resps)
         return "; ".join(r.message for r in resps)
 
     async def stop_profile(self) -> list[str]:
-        resps = await self._all(lambda c: c.stub.StopProfile(scheduler_pb2.SchedulerStopProfileRequest(),
+        resps = await self._all(lambda c: c.stub.StopProfile(scheduler_pb2.SchedulerServiceStopProfileRequest(),
                                                              timeout=CONTROL_TIMEOUT_S))
-        _raise_refused(resps)
         return [f for r in resps for f in r.trace_files]
 
-
-def _raise_refused(resps: list[scheduler_pb2.ProfileResponse]) -> None:
-    refused = [r.message for r in resps if not r.success]
-    if refused:
-        field = refused[0].split(":", 1)[0] if ":" in refused[0] else "profile"
-        msg = refused[0].split(":", 1)[1].strip() if ":" in refused[0] else refused[0]
-        raise InvalidArgument(field, msg)

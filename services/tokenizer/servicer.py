@@ -107,9 +107,9 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
                           context: grpc.aio.ServicerContext) -> api_pb2.StopProfileResponse:
         return api_pb2.StopProfileResponse(trace_files=await self._ops().stop_profile())
 
-    async def GetLoad(self, request: api_pb2.GetServerLoadRequest,
-                      context: grpc.aio.ServicerContext) -> api_pb2.GetServerLoadResponse:
-        return api_pb2.GetServerLoadResponse(loads=[v.to_pb() for v in self.views()])
+    async def GetLoad(self, request: api_pb2.InferenceServiceGetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> api_pb2.InferenceServiceGetLoadResponse:
+        return api_pb2.InferenceServiceGetLoadResponse(loads=[v.to_pb() for v in self.views()])
 
     async def GetModelInfo(self, request: api_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> api_pb2.GetModelInfoResponse:

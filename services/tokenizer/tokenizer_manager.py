@@ -209,7 +209,7 @@ class TokenizerManager:
                              finished=finished, prompt_tokens=s.prompt_tokens,
                              completion_tokens=s.num_ids, cached_tokens=s.cached_tokens,
                              input_logprobs=self._with_token_texts(chunk.input_logprobs),
-                             weight_version=self.weight_version(s.scheduler))
+                             weight_version=s.weight_version or self.weight_version(s.scheduler))
         if s.output is not None:
             parsed = s.output.feed(chunk.text, finished)
             out.text, out.reasoning_text = parsed.content, parsed.reasoning

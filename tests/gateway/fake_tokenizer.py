@@ -287,7 +287,7 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
         return pb.StopProfileResponse(trace_files=["/tmp/x.pt.trace.json"])
 
     async def GetLoad(self, request, context):  # noqa: N802
-        return pb.GetServerLoadResponse(loads=[
+        return pb.InferenceServiceGetLoadResponse(loads=[
             pb.SchedulerLoad(address="s0", connected=True, num_running_reqs=2, num_queue_reqs=3, num_used_tokens=40),
             pb.SchedulerLoad(address="s1", connected=True, num_running_reqs=0, num_queue_reqs=0)])
 

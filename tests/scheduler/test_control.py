@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ringserve.errors import InvalidArgument
 from ringserve.message import SamplingParams, StepBatch
 from services.scheduler.config import EngineConfig
 from services.scheduler.core import control
@@ -117,7 +118,7 @@ def test_pause_abort_ends_every_request_with_a_reason(engine: Engine) -> None:
 
 
 def test_pause_mode_is_checked(engine: Engine) -> None:
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(InvalidArgument, match="mode"):
         control.pause(engine, "sideways")
 
 
@@ -170,7 +171,7 @@ def test_update_drains_running_requests_then_swaps(model_dir: str, model_dir_v2:
     """Running requests finish on the old weights; one that arrives during the drain waits and runs
     on the new ones; the prefix cache is flushed; weight_version changes."""
     engine = make_engine(model_dir)
-    with engine_thread(engine):
+    with engine_thread(engine) as sent:
         old = submit_all(engine, "old", n=12)
         while not any(r.output_ids for r in old):
             engine.wait_idle(0.005)
@@ -189,6 +190,14 @@ def test_update_drains_running_requests_then_swaps(model_dir: str, model_dir_v2:
         assert [r.output_ids for r in old] == reference["v1"]
         assert new.output_ids == reference["v2"][1]
         assert engine.kv.tree.total_size() <= len(PROMPTS[1]) + 12  # only what ran after the flush
+        def finishes() -> dict[str, str]:
+            return {d.rid: d.weight_version for b in list(sent) for d in b.deltas if d.finish is not None}
+
+        for _ in range(500):  # the loop sends a step's batch just after the step
+            if "new" in finishes():
+                break
+            engine.inbox.wait(0.01, busy=False)
+        assert finishes() == {**{r.rid: "default" for r in old}, "new": "v2"}
 
 
 def test_update_with_abort_all_requests(model_dir: str, model_dir_v2: str, reference) -> None:
@@ -229,5 +238,5 @@ def test_profile_for_a_number_of_steps_writes_a_chrome_trace(engine: Engine, tmp
     assert len(files) == 1
     trace = json.loads(files[0].read_text())
     assert any(ev.get("name", "").startswith("aten::") for ev in trace["traceEvents"])
-    with pytest.raises(ProfileError, match="activities"):
+    with pytest.raises(InvalidArgument, match="activities"):
         control.start_profile(engine, ProfileOptions(activities=["TPU"]))

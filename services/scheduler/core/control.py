@@ -20,6 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+from ringserve.errors import InvalidArgument
 from services.scheduler.core.profiler import ProfileOptions
 from services.scheduler.model_executor import weight_update
 from services.scheduler.model_executor.weight_update import WeightUpdateError
@@ -53,7 +54,7 @@ def abort_all(engine: Engine, message: str) -> int:
 def pause(engine: Engine, mode: str) -> int:
     """Stop generating; returns the requests aborted, retracted or held (by mode)."""
     if mode not in PAUSE_MODES:
-        raise ValueError(f"mode: {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        raise InvalidArgument("mode", f"{mode!r} is not one of {', '.join(PAUSE_MODES)}")
     with engine._lock:
         s = engine.scheduler
         if mode == "abort":
@@ -128,7 +129,7 @@ def _swap(engine: Engine, model_path: str, version: str) -> UpdateResult:
         return UpdateResult(False, f"{model_path}: failed while copying ({e}); the weights may be partly "
                                    "updated, update again", 0, engine.weight_version)
     engine.kv.flush()
-    engine.weight_version = version
+    engine.scheduler.weight_version = version
     engine._update_load()
     log.info("weights updated from %s, version %s, %d request(s) waited", model_path, version, waiting)
     return UpdateResult(True, f"Succeeded to update model weights from {model_path}.", waiting, version)

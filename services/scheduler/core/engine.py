@@ -94,13 +94,17 @@ class Engine:
         self._throughput = 0.0
         self._last_step = 0.0
         self.paused: str | None = None     # the pause mode while paused (core/control.py)
-        self.weight_version = "default"    # changed by a weight update (core/control.py)
         self.profiler = StepProfiler()
 
     @property
     def max_prompt_tokens(self) -> int:
         """Longest prompt that can still produce a token (context and KV pool both bound it)."""
         return min(self.runner.context_length, self.max_total_num_tokens) - 1
+
+    @property
+    def weight_version(self) -> str:
+        """Of the weights loaded now (a weight update changes it: core/control.py)."""
+        return self.scheduler.weight_version
 
     def warmup(self) -> None:
         self.runner.warmup()

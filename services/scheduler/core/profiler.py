@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ringserve.errors import FailedPrecondition, InvalidArgument, ServiceError
+
 log = logging.getLogger(__name__)
 
 ACTIVITIES = {"CPU": ProfilerActivity.CPU, "GPU": ProfilerActivity.CUDA, "CUDA": ProfilerActivity.CUDA}
@@ -27,8 +29,8 @@ DEFAULT_DIR_ENV = "RINGSERVE_PROFILE_DIR"
 COMMAND_TIMEOUT_S = 60.0  # a step (and so a start or stop) never takes this long
 
 
-class ProfileError(ValueError):
-    """A start or stop that cannot be done now; the message says why (naming the field)."""
+class ProfileError(FailedPrecondition):
+    """A start or stop that cannot be done now (already profiling, not profiling)."""
 
 
 @dataclass
@@ -73,13 +75,13 @@ class StepProfiler:
         acts = [a.upper() for a in opts.activities] or ["CPU", "GPU"]
         unknown = [a for a in acts if a not in ACTIVITIES]
         if unknown:
-            raise ProfileError(f"activities: {unknown} not supported (CPU, GPU)")
+            raise InvalidArgument("activities", f"{unknown} not supported (CPU, GPU)")
         if opts.num_steps is not None and opts.num_steps <= 0:
-            raise ProfileError("num_steps: must be positive")
+            raise InvalidArgument("num_steps", "must be positive")
         if not torch.cuda.is_available():
             acts = [a for a in acts if a == "CPU"]
         if not acts:
-            raise ProfileError("activities: GPU asked for, but this scheduler has no CUDA device")
+            raise InvalidArgument("activities", "GPU asked for, but this scheduler has no CUDA device")
         out = opts.output_dir or os.environ.get(DEFAULT_DIR_ENV, "/tmp/ringserve-profile")
         return ProfileOptions(out, opts.num_steps, acts, opts.with_stack, opts.record_shapes, opts.profile_prefix)
 
@@ -105,7 +107,7 @@ class StepProfiler:
                     self._pending = None
             raise ProfileError("the engine did not reach a step boundary in time")
         if cmd.error:
-            raise ProfileError(cmd.error)
+            raise ServiceError(cmd.error)
         return cmd.files
 
     # -- the engine thread -----------------------------------------------------------------------

@@ -106,6 +106,7 @@ class Scheduler:
         # A weight update is draining: requests that have produced nothing yet stay in `waiting`
         # (they will run on the new weights); the rest finish on the old ones (core/control.py).
         self.hold_new = False
+        self.weight_version = "default"  # stamped on each request at its prefill, for its outputs
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class Scheduler:
         now = time.monotonic()
         for req in adder.reqs:
             req.status = ReqStatus.PREFILL
+            req.weight_version = self.weight_version
             if not req.timings.first_scheduled:  # first prefill: count what the cache saved it
                 req.timings.first_scheduled = now
                 req.cached_tokens = req.kv_len
