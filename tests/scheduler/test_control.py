@@ -173,7 +173,7 @@ def test_update_drains_running_requests_then_swaps(model_dir: str, model_dir_v2:
     engine = make_engine(model_dir)
     with engine_thread(engine) as sent:
         old = submit_all(engine, "old", n=12)
-        while not any(r.output_ids for r in old):
+        while not all(r.output_ids for r in old):
             engine.wait_idle(0.005)
         result: list[control.UpdateResult] = []
         updater = threading.Thread(target=lambda: result.append(
