@@ -79,7 +79,7 @@ def _output(item: _Item, sample: Sample, index: int | None) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": m.id or item.req.rid, "finish_reason": native_finish_reason(m.finish_reason, m.completion_tokens),
         "prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
-        "cached_tokens": m.cached_tokens}
+        "cached_tokens": m.cached_tokens, "weight_version": m.weight_version or "default"}
     if sample.finished:
         meta["e2e_latency"] = m.e2e_latency
     if item.req.return_logprob:
