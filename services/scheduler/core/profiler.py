@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from ringserve.errors import FailedPrecondition, InvalidArgument, ServiceError
 log = logging.getLogger(__name__)
 
 ACTIVITIES = {"CPU": ProfilerActivity.CPU, "GPU": ProfilerActivity.CUDA, "CUDA": ProfilerActivity.CUDA}
-DEFAULT_DIR_ENV = "RINGSERVE_PROFILE_DIR"
+DEFAULT_DIR = Path(tempfile.gettempdir()) / "ringserve-profile"  # when the caller names no output_dir
 COMMAND_TIMEOUT_S = 60.0  # a step (and so a start or stop) never takes this long
 
 
@@ -82,7 +83,7 @@ class StepProfiler:
             acts = [a for a in acts if a == "CPU"]
         if not acts:
             raise InvalidArgument("activities", "GPU asked for, but this scheduler has no CUDA device")
-        out = opts.output_dir or os.environ.get(DEFAULT_DIR_ENV, "/tmp/ringserve-profile")
+        out = opts.output_dir or str(DEFAULT_DIR)
         return ProfileOptions(out, opts.num_steps, acts, opts.with_stack, opts.record_shapes, opts.profile_prefix)
 
     def request(self, start: ProfileOptions | None, wake: Callable[[], None]) -> list[str]:
