@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import metrics as metrics_mod
-from gateway import native_routes, openai_routes
+from gateway import native_routes, openai_routes, operation_routes
 from gateway.auth import ApiKeyMiddleware
 from gateway.backend import Backend
 from gateway.config import GatewayConfig
@@ -50,6 +50,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(native_routes.router)
+    app.include_router(operation_routes.router)
     app.include_router(metrics_mod.router)
     # add_middleware wraps: the last added runs first.
     app.add_middleware(JsonBodyMiddleware)

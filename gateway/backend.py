@@ -25,7 +25,8 @@ from ringserve.v1 import api_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-INFO_TIMEOUT_S = 10.0  # unary control calls; generation has no deadline (outputs can be long)
+INFO_TIMEOUT_S = 10.0  # unary info calls; generation has no deadline (outputs can be long)
+CONTROL_TIMEOUT_S = 960.0  # operations: a weight update waits for running requests, then loads
 
 
 class Backend:
@@ -88,7 +89,8 @@ class Backend:
             raise from_rpc(e) from None
 
     async def model_info(self, wait_s: float | None = None) -> pb.GetModelInfoResponse:
-        """Cached after the first success: the model cannot change under a running tokenizer."""
+        """Cached after the first success (the model cannot change under a running tokenizer; a weight
+        update through this gateway drops it, for weight_version)."""
         if self._model_info is None:
             if wait_s is not None:
                 info = await self._unary("GetModelInfo", pb.GetModelInfoRequest(), wait_s, True)
@@ -97,6 +99,12 @@ class Backend:
             assert isinstance(info, pb.GetModelInfoResponse)
             self._model_info = info
         return self._model_info
+
+    async def fresh_model_info(self) -> pb.GetModelInfoResponse:
+        info = await self._unary("GetModelInfo", pb.GetModelInfoRequest())
+        assert isinstance(info, pb.GetModelInfoResponse)
+        self._model_info = info
+        return info
 
     async def server_info(self) -> pb.GetServerInfoResponse:
         resp = await self._unary("GetServerInfo", pb.GetServerInfoRequest())
@@ -112,6 +120,12 @@ class Backend:
         resp = await self._unary("Abort", pb.AbortRequest(rid=rid))
         assert isinstance(resp, pb.AbortResponse)
         return resp.found
+
+    async def control(self, method: str, req: object, timeout: float = CONTROL_TIMEOUT_S) -> object:
+        """An operation RPC (abort all, pause, continue, weight update, profiling, load)."""
+        if method == "UpdateWeightsFromDisk":
+            self._model_info = None  # weight_version changes
+        return await self._unary(method, req, timeout)
 
     async def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         resp = await self._unary("Detokenize", pb.DetokenizeRequest(ids=ids, skip_special_tokens=skip_special_tokens))

@@ -1,8 +1,8 @@
-"""SGLang-native request models (/generate, /abort_request), with SGLang's field names."""
+"""SGLang-native request models (/generate, /abort_request and the operation routes), with SGLang's field names."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Literal
 
 from gateway.protocol import ApiRequest, Int32, Int64, SamplingFields, UInt32
 
@@ -32,8 +32,44 @@ class GenerateReqInput(ApiRequest):
     model: str | None = None
 
 
-class AbortReq(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class AbortReq(ApiRequest):
+    """POST /abort_request: one request by rid, or every request (abort_all)."""
 
     rid: str = ""
     abort_all: bool = False
+
+
+class PauseGenerationReqInput(ApiRequest):
+    """POST /pause_generation."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(ApiRequest):
+    """POST /continue_generation."""
+
+
+class UpdateWeightFromDiskReqInput(ApiRequest):
+    """POST /update_weights_from_disk."""
+
+    model_path: str
+    load_format: Literal["auto", "safetensors"] | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    # The cache is always flushed (it holds KV of the old weights) and the update always awaited.
+    flush_cache: Literal[True] = True
+    is_async: Literal[False] = False
+
+
+class ProfileReqInput(ApiRequest):
+    """POST /start_profile (SGLang's fields; stages, merging and memory profiles are refused)."""
+
+    output_dir: str | None = None
+    num_steps: UInt32 | None = None
+    activities: list[Literal["CPU", "GPU"]] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_prefix: str | None = None
+    start_step: Literal[None] = None
+    profile_by_stage: Literal[False] = False
+    merge_profiles: Literal[False] = False

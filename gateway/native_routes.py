@@ -1,5 +1,5 @@
 """SGLang-native routes: /generate, /health, /health_generate, /get_model_info, /get_server_info,
-/flush_cache, /abort_request, /tokenize, /detokenize. Shapes follow SGLang's http_server so its
+/flush_cache, /tokenize, /detokenize (operations: operation_routes.py). Shapes follow SGLang's http_server so its
 clients work unchanged (the tokenize pair also takes vLLM's fields)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from google.protobuf.json_format import MessageToDict
 
 from gateway.convert import chat_input, native_finish_reason, native_logprobs, sampling_from_native, set_prompt
 from gateway.errors import GatewayError
-from gateway.native_protocol import AbortReq, GenerateReqInput
+from gateway.native_protocol import GenerateReqInput
 from gateway.openai_routes import ERRORS, STREAM_DOC
 from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from gateway.sse import prime, sse_response
@@ -79,7 +79,7 @@ def _output(item: _Item, sample: Sample, index: int | None) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": m.id or item.req.rid, "finish_reason": native_finish_reason(m.finish_reason, m.completion_tokens),
         "prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
-        "cached_tokens": m.cached_tokens}
+        "cached_tokens": m.cached_tokens, "weight_version": m.weight_version or "default"}
     if sample.finished:
         meta["e2e_latency"] = m.e2e_latency
     if item.req.return_logprob:
@@ -199,8 +199,12 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 @router.get("/health", responses={503: {"model": ERRORS[503]["model"]}})
 async def health(request: Request) -> Response:
     """200 only while the tokenizer reports SERVING on grpc.health."""
-    if not await get_state(request).backend.serving():
+    backend = get_state(request).backend
+    if not await backend.serving():
         raise GatewayError(503, "tokenizer is not serving", headers={"Retry-After": "1"})
+    paused = (await backend.server_info()).paused
+    if paused:  # up (requests are accepted and queue), but nothing generates until /continue_generation
+        return JSONResponse({"status": "paused", "mode": paused})
     return Response(status_code=200)
 
 
@@ -220,12 +224,12 @@ async def health_generate(request: Request) -> Response:
 @router.get("/get_model_info", responses=ERRORS)
 async def get_model_info(request: Request) -> dict[str, Any]:
     state = get_state(request)
-    info = await state.backend.model_info()
+    info = await state.backend.fresh_model_info()  # weight_version changes with weight updates
     return {"model_path": info.model_path, "tokenizer_path": info.model_path, "is_generation": info.is_generation,
             "served_model_name": await state.served_name(), "max_context_length": info.max_context_length,
             "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids),
             "has_chat_template": info.has_chat_template, "preferred_sampling_params": None,
-            "weight_version": "default"}
+            "weight_version": info.weight_version or "default"}
 
 
 @router.get("/get_server_info", responses=ERRORS)
@@ -250,12 +254,3 @@ async def flush_cache(request: Request) -> PlainTextResponse:
 
 router.add_api_route("/flush_cache", flush_cache, methods=["GET"], operation_id="flush_cache_get",
                      responses=ERRORS, include_in_schema=True)
-
-
-@router.post("/abort_request", responses=ERRORS)
-async def abort_request(body: AbortReq, request: Request) -> JSONResponse:
-    if body.abort_all or not body.rid:
-        raise GatewayError(400, "rid: required (abort_all is not supported)", param="rid")
-    found = await get_state(request).backend.abort(body.rid)
-    log.info("rid=%s abort requested found=%s", body.rid, found)
-    return JSONResponse({"rid": body.rid, "found": found})

@@ -42,6 +42,12 @@ class AlreadyExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class FailedPrecondition(ServiceError):
+    """The call is valid but the server's state refuses it now (e.g. already profiling)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 

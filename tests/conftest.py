@@ -25,3 +25,18 @@ def real_model_dir() -> str:
     from ringserve.model_source import resolve_model
 
     return str(resolve_model("smollm2-135m-instruct", prepare=True))
+
+
+@pytest.fixture(scope="session")
+def model_dir_v2(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with other random weights (same config and tokenizer): a weight update's target."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from ringserve.default_model import ModelShape, build_weights
+
+    out = tmp_path_factory.mktemp("weights") / "tiny-v2"
+    shutil.copytree(model_dir, out)
+    save_file(build_weights(ModelShape(seed=7)), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)

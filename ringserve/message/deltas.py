@@ -48,10 +48,11 @@ class TokenDelta:
     cached_tokens: int = 0
     timings: Timings | None = None                # the scheduler's, on the last delta
     input_logprobs: list[Logprob] = field(default_factory=list)  # the prompt's, once
+    weight_version: str = ""                      # with params and with finish
 
     def to_pb(self) -> detokenizer_pb2.TokenDelta:
         d = detokenizer_pb2.TokenDelta(rid=self.rid, offset=self.offset, ids=self.ids,
-                                       cached_tokens=self.cached_tokens)
+                                       cached_tokens=self.cached_tokens, weight_version=self.weight_version)
         if self.params is not None:
             d.params.CopyFrom(self.params.to_pb())
         for lp in self.logprobs:
@@ -73,7 +74,8 @@ class TokenDelta:
                    logprobs=Logprob.list_from_pb(d.logprobs) if len(d.logprobs) else [],
                    cached_tokens=d.cached_tokens,
                    timings=Timings.from_pb(d.timings) if d.HasField("timings") else None,
-                   input_logprobs=Logprob.list_from_pb(d.input_logprobs) if len(d.input_logprobs) else [])
+                   input_logprobs=Logprob.list_from_pb(d.input_logprobs) if len(d.input_logprobs) else [],
+                   weight_version=d.weight_version)
 
 
 @dataclass(slots=True)
@@ -109,12 +111,13 @@ class TextDelta:
     cached_tokens: int = 0
     timings: Timings | None = None   # scheduler's and detokenizer's, on the last delta
     input_logprobs: list[Logprob] = field(default_factory=list)
+    weight_version: str = ""         # on the first and the last delta
 
     def add_to(self, resp: detokenizer_pb2.SubscribeResponse) -> None:
         """Append to `resp` (adding in place with keywords is the cheapest way to build it)."""
         out = resp.deltas.add(rid=self.rid, token_offset=self.token_offset, ids=self.ids,
                               text_offset=self.text_offset, text=self.text, prompt_tokens=self.prompt_tokens,
-                              cached_tokens=self.cached_tokens)
+                              cached_tokens=self.cached_tokens, weight_version=self.weight_version)
         for lp in self.logprobs:
             lp.add_to(out.logprobs)
         for lp in self.input_logprobs:
@@ -131,4 +134,5 @@ class TextDelta:
                    finish=Finish.from_pb(pb.finish) if pb.HasField("finish") else None,
                    prompt_tokens=pb.prompt_tokens, cached_tokens=pb.cached_tokens,
                    timings=Timings.from_pb(pb.timings) if pb.HasField("timings") else None,
-                   input_logprobs=Logprob.list_from_pb(pb.input_logprobs) if len(pb.input_logprobs) else [])
+                   input_logprobs=Logprob.list_from_pb(pb.input_logprobs) if len(pb.input_logprobs) else [],
+                   weight_version=pb.weight_version)

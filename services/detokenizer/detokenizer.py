@@ -172,4 +172,4 @@ class Detokenizer:
         return TextDelta(rid=st.rid, token_offset=token_offset, ids=ids, text_offset=text_offset,
                          text=text, logprobs=logprobs, finish=fin,
                          prompt_tokens=st.params.prompt_tokens, cached_tokens=delta.cached_tokens,
-                         timings=timings, input_logprobs=input_logprobs)
+                         timings=timings, input_logprobs=input_logprobs, weight_version=delta.weight_version)

@@ -44,7 +44,8 @@ class SchedulerServer:
             max_total_num_tokens=e.max_total_num_tokens, max_running_requests=e.scheduler.max_running,
             max_prefill_tokens=c.max_prefill_tokens, chunked_prefill_size=e.chunked_prefill_size,
             context_length=e.runner.context_length, schedule_policy=c.schedule_policy,
-            max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE)
+            max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE, weight_version=e.weight_version,
+            paused=e.paused or "")
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up

@@ -187,10 +187,12 @@ class GenerateOutput:
     timings: Timings | None = None  # with return_timings, on the last output
     reasoning_text: str = ""  # chat with a reasoning parser: the thinking; `text` holds the answer
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # chat with tools
+    weight_version: str = "default"  # of the weights of the scheduler serving it
 
     def to_pb(self) -> api_pb2.GenerateResponse:
         meta = api_pb2.MetaInfo(id=self.rid, prompt_tokens=self.prompt_tokens,
-                                completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens)
+                                completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens,
+                                weight_version=self.weight_version)
         if self.finished:
             if self.finish is not None:
                 meta.finish_reason.CopyFrom(self.finish.to_pb())

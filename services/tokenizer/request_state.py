@@ -60,6 +60,7 @@ class ReqState:
     error: ServiceError | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    weight_version: str = ""  # of the weights computing it, from its first (and last) delta
     timings: Timings | None = None  # the scheduler's and detokenizer's, with the finish
     ring_hops_s: float = 0.0  # scheduler -> detokenizer -> tokenizer, summed over its messages
     first_token_at: float | None = None
@@ -103,6 +104,8 @@ class ReqState:
             self.prompt_tokens = delta.prompt_tokens
         if delta.cached_tokens:
             self.cached_tokens = delta.cached_tokens
+        if delta.weight_version:
+            self.weight_version = delta.weight_version
         if new_ids:
             now = time.monotonic() if now is None else now
             if self.first_token_at is None:

@@ -44,6 +44,8 @@ class SchedulerConnection:
         self.on_change = on_change
         self.connected = False
         self.load = Load()
+        self.weight_version = "default"  # from GetSchedulerInfo on connect, then each weight update
+        self.paused = ""  # the pause mode while paused (GetSchedulerInfo on connect, then PauseGeneration)
         self.channel = client_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         # Items carry the session they were queued in: a request queued just before a break was
@@ -100,6 +102,7 @@ class SchedulerConnection:
             if first is grpc.aio.EOF:
                 return
             self._on_response(first)
+            await self._read_info()
             self.connected = True
             log.info("scheduler %s connected (owner %s)", self.address, self.owner)
             self.on_change()
@@ -143,6 +146,15 @@ class SchedulerConnection:
                 aborts = [a for a in aborts if a not in dropped]
             if reqs or aborts:
                 await call.write(scheduler_pb2.ConnectRequest(requests=reqs, abort_rids=aborts))
+
+    async def _read_info(self) -> None:
+        try:
+            info = await self.stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest(), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            log.warning("scheduler %s: GetSchedulerInfo failed (%s); weight_version unknown", self.address,
+                        e.code().name)
+            return
+        self.weight_version, self.paused = info.weight_version or "default", info.paused
 
     async def flush_cache(self) -> tuple[bool, str]:
         try:
@@ -192,6 +204,10 @@ class SchedulerPool:
 
     def any_connected(self) -> bool:
         return any(c.connected for c in self.conns.values())
+
+    def weight_version(self, address: str) -> str:
+        conn = self.conns.get(address)
+        return conn.weight_version if conn is not None else "default"
 
     def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
         return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0)) for a, c in self.conns.items()]

@@ -24,6 +24,7 @@ from ringserve.v1 import api_pb2, api_pb2_grpc
 from .config import TokenizerConfig
 from .detokenizer_client import DetokenizerSubscriber
 from .discovery import SchedulerDiscovery
+from .operations import SchedulerOps
 from .parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS, detect_tool_parser
 from .routing import make_router
 from .scheduler_client import SchedulerPool
@@ -68,10 +69,12 @@ class TokenizerServer:
             ManagerSettings(owner=cfg.tokenizer_id, limits=limits, max_pending_requests=cfg.max_pending_requests,
                             tool_call_parser=tool_parser, tool_markup_special=markup_special,
                             reasoning_parser=cfg.reasoning_parser),
-            self.tokenizer, self.schedulers, router, detokenizer_up=self.detokenizers.any_connected)
+            self.tokenizer, self.schedulers, router, detokenizer_up=self.detokenizers.any_connected,
+            weight_version=self.schedulers.weight_version)
         servicer = InferenceServicer(self.manager, self.tokenizer, cfg.model, cfg.served_model_name,
                                      cfg.routing_policy, views=lambda: self.schedulers.views(self.manager.in_flight()),
-                                     detokenizer_connected=self.detokenizers.all_connected)
+                                     detokenizer_connected=self.detokenizers.all_connected,
+                                     ops=SchedulerOps(self.schedulers))
         self.grpc = GrpcService("tokenizer", cfg.address, [SERVICE_NAME],
                                 lambda server: api_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
                                 tls=cfg.tls)

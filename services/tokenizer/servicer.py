@@ -14,12 +14,13 @@ from contextlib import aclosing
 import grpc
 
 from ringserve import __version__
-from ringserve.errors import InvalidArgument, ServiceError
+from ringserve.errors import InvalidArgument, ServiceError, Unavailable
 from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc
 
 from .generate_session import GenerateSession
 from .io_struct import ChatInput, GenerateInput
+from .operations import SchedulerOps
 from .request_state import Wakeup
 from .routing import SchedulerView
 from .tokenizer_manager import Call, TokenizerManager
@@ -45,7 +46,7 @@ class StreamGenerations:
 class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
     def __init__(self, manager: TokenizerManager, tokenizer: TextTokenizer, model_path: str,
                  served_model_name: str, routing_policy: str, views: Callable[[], list[SchedulerView]],
-                 detokenizer_connected: Callable[[], bool]) -> None:
+                 detokenizer_connected: Callable[[], bool], ops: SchedulerOps | None = None) -> None:
         self.manager = manager
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -53,6 +54,7 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         self.routing_policy = routing_policy
         self.views = views
         self.detokenizer_connected = detokenizer_connected
+        self.ops = ops
         self.stopping: asyncio.Event | None = None  # the server's drain signal, for GenerateStream
 
     # aclosing below: a call cancelled (or past its deadline) while suspended at a yield closes the
@@ -71,7 +73,43 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
                 yield batch
 
     async def Abort(self, request: api_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> api_pb2.AbortResponse:
-        return api_pb2.AbortResponse(found=self.manager.abort(request.rid))
+        if not request.abort_all:
+            return api_pb2.AbortResponse(found=self.manager.abort(request.rid))
+        # Ours at once (also those not sent yet), then every scheduler's, whichever replica owns them.
+        local = self.manager.abort_all()
+        remote = await self._ops().abort_all("aborted by abort_all")
+        n = max(local, remote)
+        return api_pb2.AbortResponse(found=n > 0, num_aborted=n)
+
+    def _ops(self) -> SchedulerOps:
+        if self.ops is None:
+            raise Unavailable("server operations are not available on this tokenizer")
+        return self.ops
+
+    async def PauseGeneration(self, request: api_pb2.PauseGenerationRequest,
+                              context: grpc.aio.ServicerContext) -> api_pb2.PauseGenerationResponse:
+        return api_pb2.PauseGenerationResponse(num_requests=await self._ops().pause(request.mode))
+
+    async def ContinueGeneration(self, request: api_pb2.ContinueGenerationRequest,
+                                 context: grpc.aio.ServicerContext) -> api_pb2.ContinueGenerationResponse:
+        await self._ops().resume()
+        return api_pb2.ContinueGenerationResponse()
+
+    async def UpdateWeightsFromDisk(self, request: api_pb2.UpdateWeightsFromDiskRequest,
+                                    context: grpc.aio.ServicerContext) -> api_pb2.UpdateWeightsFromDiskResponse:
+        return await self._ops().update_weights(request)
+
+    async def StartProfile(self, request: api_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext) -> api_pb2.StartProfileResponse:
+        return api_pb2.StartProfileResponse(message=await self._ops().start_profile(request))
+
+    async def StopProfile(self, request: api_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext) -> api_pb2.StopProfileResponse:
+        return api_pb2.StopProfileResponse(trace_files=await self._ops().stop_profile())
+
+    async def GetLoad(self, request: api_pb2.InferenceServiceGetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> api_pb2.InferenceServiceGetLoadResponse:
+        return api_pb2.InferenceServiceGetLoadResponse(loads=[v.to_pb() for v in self.views()])
 
     async def GetModelInfo(self, request: api_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> api_pb2.GetModelInfoResponse:
@@ -79,7 +117,8 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         return api_pb2.GetModelInfoResponse(
             model_path=self.model_path, served_model_name=self.served_model_name,
             max_context_length=tok.context_length, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids,
-            is_generation=True, has_chat_template=bool(tok.chat_template))
+            is_generation=True, has_chat_template=bool(tok.chat_template),
+            weight_version=self.manager.weight_version(next(iter(v.address for v in self.views()), "")))
 
     async def GetServerInfo(self, request: api_pb2.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> api_pb2.GetServerInfoResponse:
@@ -90,7 +129,8 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
             token_usage=max((v.load.token_usage for v in views), default=0.0),
             rid_to_state_size=len(self.manager.rid_to_state), tokenizer_id=self.manager.owner,
             routing_policy=self.routing_policy, schedulers=[v.to_pb() for v in views],
-            version=__version__, detokenizer_connected=self.detokenizer_connected())
+            version=__version__, detokenizer_connected=self.detokenizer_connected(),
+            paused=self.ops.paused() if self.ops is not None else "")
 
     async def FlushCache(self, request: api_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> api_pb2.FlushCacheResponse:

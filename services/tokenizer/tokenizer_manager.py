@@ -81,13 +81,15 @@ class ManagerSettings:
 
 class TokenizerManager:
     def __init__(self, settings: ManagerSettings, tokenizer: TextTokenizerLike, schedulers: SchedulerLinks,
-                 router: Router, detokenizer_up: Callable[[], bool] = lambda: True) -> None:
+                 router: Router, detokenizer_up: Callable[[], bool] = lambda: True,
+                 weight_version: Callable[[str], str] = lambda address: "default") -> None:
         self.settings = settings
         self.owner = settings.owner
         self.tokenizer = tokenizer
         self.schedulers = schedulers
         self.router = router
         self.detokenizer_up = detokenizer_up
+        self.weight_version = weight_version  # of a scheduler address, for each output's meta_info
         self.rid_to_state: dict[str, ReqState] = {}
         self.groups: dict[str, list[ReqState]] = {}  # client rid -> its samples
         self.metrics = ModelMetrics(settings.limits.served_model_name)
@@ -206,7 +208,8 @@ class TokenizerManager:
                              logprobs=self._with_token_texts(chunk.logprobs) if req.return_logprob else [],
                              finished=finished, prompt_tokens=s.prompt_tokens,
                              completion_tokens=s.num_ids, cached_tokens=s.cached_tokens,
-                             input_logprobs=self._with_token_texts(chunk.input_logprobs))
+                             input_logprobs=self._with_token_texts(chunk.input_logprobs),
+                             weight_version=s.weight_version or self.weight_version(s.scheduler))
         if s.output is not None:
             parsed = s.output.feed(chunk.text, finished)
             out.text, out.reasoning_text = parsed.content, parsed.reasoning
@@ -272,6 +275,16 @@ class TokenizerManager:
             s.abort("aborted by request")
         log.info("rid=%s aborted by request", rid)
         return True
+
+    def abort_all(self) -> int:
+        """Abort every call of this replica (the schedulers' AbortAll ends those of other replicas)."""
+        n = 0
+        for rid in list(self.groups):
+            states = self.groups[rid]
+            if any(not s.finished for s in states):
+                self.abort(rid)
+                n += 1
+        return n
 
     async def flush_cache(self, loads: list[Load]) -> tuple[bool, str]:
         busy = len(self.rid_to_state) + sum(load.num_reqs for load in loads)

@@ -157,6 +157,9 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
         self.cancel_event = threading.Event()
         self.aborts: list[str] = []
         self.flush_ok = True
+        self.ops: list[tuple[str, str]] = []  # operation RPCs and their main argument
+        self.paused = ""
+        self.weight_version = "default"
 
     def reset(self) -> None:
         self.calls.clear()
@@ -164,6 +167,9 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
         self.cancel_event.clear()
         self.aborts.clear()
         self.flush_ok = True
+        self.ops.clear()
+        self.paused = ""
+        self.weight_version = "default"
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
@@ -247,16 +253,52 @@ class FakeInference(api_pb2_grpc.InferenceServiceServicer):
         return meta
 
     async def Abort(self, request, context):  # noqa: N802
+        if request.abort_all:
+            self.ops.append(("AbortAll", ""))
+            return pb.AbortResponse(found=True, num_aborted=3)
         self.aborts.append(request.rid)
         return pb.AbortResponse(found=request.rid == "live")
 
+    async def PauseGeneration(self, request, context):  # noqa: N802
+        self.ops.append(("PauseGeneration", request.mode))
+        self.paused = request.mode
+        return pb.PauseGenerationResponse(num_requests=2)
+
+    async def ContinueGeneration(self, request, context):  # noqa: N802
+        self.ops.append(("ContinueGeneration", ""))
+        self.paused = ""
+        return pb.ContinueGenerationResponse()
+
+    async def UpdateWeightsFromDisk(self, request, context):  # noqa: N802
+        self.ops.append(("UpdateWeightsFromDisk", request.model_path))
+        if request.model_path != "/models/new":
+            return pb.UpdateWeightsFromDiskResponse(success=False, weight_version=self.weight_version,
+                                                    message=f"model_path: {request.model_path!r} is not a directory")
+        self.weight_version = request.weight_version or request.model_path
+        return pb.UpdateWeightsFromDiskResponse(success=True, message="Succeeded.", num_paused_requests=1,
+                                                weight_version=self.weight_version)
+
+    async def StartProfile(self, request, context):  # noqa: N802
+        self.ops.append(("StartProfile", f"{request.output_dir}|{request.num_steps}|{','.join(request.activities)}"))
+        return pb.StartProfileResponse(message="profiling")
+
+    async def StopProfile(self, request, context):  # noqa: N802
+        self.ops.append(("StopProfile", ""))
+        return pb.StopProfileResponse(trace_files=["/tmp/x.pt.trace.json"])
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        return pb.InferenceServiceGetLoadResponse(loads=[
+            pb.SchedulerLoad(address="s0", connected=True, num_running_reqs=2, num_queue_reqs=3, num_used_tokens=40),
+            pb.SchedulerLoad(address="s1", connected=True, num_running_reqs=0, num_queue_reqs=0)])
+
     async def GetModelInfo(self, request, context):  # noqa: N802
         return pb.GetModelInfoResponse(model_path=MODEL_PATH, served_model_name=MODEL, max_context_length=CONTEXT,
-                                       vocab_size=300, eos_token_ids=[2], is_generation=True, has_chat_template=True)
+                                       vocab_size=300, eos_token_ids=[2], is_generation=True, has_chat_template=True,
+                                       weight_version=self.weight_version)
 
     async def GetServerInfo(self, request, context):  # noqa: N802
         return pb.GetServerInfoResponse(num_running_reqs=1, tokenizer_id="tok-1", routing_policy="round_robin",
-                                        version="test")
+                                        version="test", paused=self.paused)
 
     async def FlushCache(self, request, context):  # noqa: N802
         return pb.FlushCacheResponse(success=self.flush_ok, message="" if self.flush_ok else "requests running")

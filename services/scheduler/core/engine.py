@@ -28,6 +28,7 @@ from services.scheduler.core.finish import FinishChecker
 from services.scheduler.core.inbox import AbortOwner, AbortRid, Inbox, QueueFull, Resync
 from services.scheduler.core.outputs import GenerationResult, make_output
 from services.scheduler.core.prefill import default_chunk_size
+from services.scheduler.core.profiler import StepProfiler
 from services.scheduler.core.req import Req
 from services.scheduler.core.scheduler import Scheduler, SchedulerStats
 from services.scheduler.grammar import GrammarMetrics
@@ -97,11 +98,18 @@ class Engine:
         self._window = (time.monotonic(), 0)
         self._throughput = 0.0
         self._last_step = 0.0
+        self.paused: str | None = None     # the pause mode while paused (core/control.py)
+        self.profiler = StepProfiler()
 
     @property
     def max_prompt_tokens(self) -> int:
         """Longest prompt that can still produce a token (context and KV pool both bound it)."""
         return min(self.runner.context_length, self.max_total_num_tokens) - 1
+
+    @property
+    def weight_version(self) -> str:
+        """Of the weights loaded now (a weight update changes it: core/control.py)."""
+        return self.scheduler.weight_version
 
     def warmup(self) -> None:
         self.runner.warmup()
@@ -133,13 +141,14 @@ class Engine:
         """One step: receive -> schedule -> forward -> process -> send (what it returns)."""
         with self._lock:
             self.recv()
-            batch = self.scheduler.schedule()
+            batch = None if self.paused else self.scheduler.schedule()  # paused: intake only
             if batch is not None:
                 t0 = time.monotonic()
                 logits = prompt_logprobs.take(batch.reqs, batch.forward, self.runner.forward(batch.forward))  # [B, V]
                 self.scheduler.process_results(batch, self.scheduler.sample(batch, logits), time.monotonic() - t0)
             out = self.scheduler.take_outputs()
             self._update_load()
+            self.profiler.on_step(batch is not None)
         if not self.has_work():
             self.inbox.wake()  # wait_idle (the drain)
         for o in out:
@@ -217,7 +226,8 @@ class Engine:
 
     def wait_for_work(self, timeout: float) -> bool:
         """Block until there is something to do (or timeout); the engine thread's idle wait."""
-        busy = self.scheduler.has_work()
+        s = self.scheduler
+        busy = (s.has_outputs() if self.paused else s.has_work()) or self.profiler.pending
         deadline = None if busy else self.grammar.next_deadline_s()  # a compile timeout must fire while idle
         return self.inbox.wait(timeout if deadline is None else min(timeout, deadline), busy)
 

@@ -52,7 +52,9 @@ def make_output(req: Req, full: bool = False) -> TokenDelta:
         out.params = DecodeParams(owner=req.owner, sampling=req.params, stream=req.stream,
                                   prompt_tokens=req.prompt_tokens)
         req.params_sent = True
+        out.weight_version = req.weight_version
     if req.finished_reason is not None:
         out.timings = req.timings.measured()
+        out.weight_version = req.weight_version
     req.sent_offset = len(req.output_ids)
     return out

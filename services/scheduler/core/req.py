@@ -86,6 +86,7 @@ class Req:
     kv_len: int = 0                               # tokens of fill_ids with KV in the pool
     fill_ids: list[int] = field(default_factory=list)  # tokens to prefill: prompt (+ output on recompute)
     cached_tokens: int = 0                        # prompt tokens served from the prefix cache (max seen)
+    weight_version: str = ""                      # of the weights of its last prefill (its outputs report it)
 
     status: ReqStatus = ReqStatus.WAITING
     finished_reason: Finish | None = None

@@ -103,6 +103,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._emit: list[TokenDelta] = []
         self.logit_bias = LogitBias()  # the batches' bias tensors, rebuilt only when their biased rows change
+        # A weight update is draining: requests that have produced nothing yet stay in `waiting`
+        # (they will run on the new weights); the rest finish on the old ones (core/control.py).
+        self.hold_new = False
+        self.weight_version = "default"  # stamped on each request at its prefill, for its outputs
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -121,6 +125,18 @@ class Scheduler:
         return batch
 
     def schedule_prefill(self) -> Batch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        held: list[Req] = []
+        if self.hold_new:
+            held = [r for r in self.waiting if not r.output_ids]
+            self.waiting = deque(r for r in self.waiting if r.output_ids)
+        try:
+            return self._schedule_prefill()
+        finally:
+            self.waiting.extend(held)
+
+    def _schedule_prefill(self) -> Batch | None:
         if not self.waiting and self.chunked is None:
             return None
         order_waiting(self.waiting, self.policy, self.kv)
@@ -151,6 +167,7 @@ class Scheduler:
         now = time.monotonic()
         for req in adder.reqs:
             req.status = ReqStatus.PREFILL
+            req.weight_version = self.weight_version
             if not req.timings.first_scheduled:  # first prefill: count what the cache saved it
                 req.timings.first_scheduled = now
                 req.cached_tokens = req.kv_len
@@ -313,6 +330,38 @@ class Scheduler:
             r.grammar = None
         return gone
 
+    def abort_all(self, message: str) -> list[Req]:
+        """End every live request with finish_reason abort and `message`; unlike `abort`, each one's
+        finish is emitted, since its owner did not ask for it."""
+        gone = self.abort(lambda r: True)
+        now = time.monotonic()
+        for r in gone:
+            r.finished_reason = Finish.abort(grpc.StatusCode.OK, message)
+            self.stats.finished += 1
+            self.recent.append((now, r))
+            self._emit.append(make_output(r, full=not r.stream))
+        return gone
+
+    def retract_all(self) -> int:
+        """Send every running (and the mid-prefill) request back to the front of `waiting`; their KV
+        goes into the prefix cache and they recompute later (pause mode retract). Returns how many."""
+        reqs, self.running.reqs = self.running.reqs, []
+        n = len(reqs)
+        if self.chunked is not None:
+            self._requeue_chunked()
+            n += 1
+        for r in reqs:
+            self.kv.release(r, cache=True)
+            r.reset_for_recompute()
+        self.waiting.extendleft(reversed(reqs))
+        self.stats.retractions += len(reqs)
+        return n
+
+    def num_started(self) -> int:
+        """Requests that have produced tokens or hold KV: what must finish before new weights."""
+        return (len(self.running) + (self.chunked is not None)
+                + sum(1 for r in self.waiting if r.output_ids))
+
     def live_reqs(self) -> list[Req]:
         chunk = [self.chunked] if self.chunked is not None else []
         return [*self.running, *chunk, *self.waiting, *self.grammar.reqs.values()]
@@ -326,6 +375,10 @@ class Scheduler:
     def has_work(self) -> bool:
         """A step now would do something (requests only compiling their grammar do not count)."""
         return bool(self.running or self.waiting or self.chunked or self._emit) or self.grammar.has_ready()
+
+    def has_outputs(self) -> bool:
+        """Finishes to send (what a paused engine still steps for)."""
+        return bool(self._emit)
 
     def num_queued(self) -> int:
         """Requests not yet running: waiting plus compiling their grammar."""

@@ -63,3 +63,13 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
                 swapped += 1
     return swapped
+
+
+def repack_linears(model: nn.Module) -> int:
+    """Re-pack every PackedLinear from its (updated in place) weight; returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.packed = _pack(m.weight)
+            n += 1
+    return n

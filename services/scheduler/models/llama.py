@@ -156,32 +156,60 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return logits.float()  # [B, V] float32
 
+    def weight_target(self, name: str) -> tuple[str, int | None] | None:
+        """The parameter an HF checkpoint tensor fills and its shard of a fused one (None: the whole
+        parameter); None when the tensor is not loaded (rotary buffers, a tied lm_head)."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        for hf, (ours, shard) in self._FUSED.items():
+            if f".{hf}." in name:
+                return name.replace(f".{hf}.", f".{ours}."), shard
+        return name, None
+
+    def expected_shape(self, target: tuple[str, int | None], params: dict[str, nn.Parameter]) -> tuple[int, ...]:
+        """The shape a checkpoint tensor for `target` must have (KeyError: no such parameter)."""
+        ours, shard = target
+        shape = tuple(params[ours].shape)
+        if shard is None:
+            return shape
+        return (self._shard_sizes(ours.split(".")[-2])[shard], *shape[1:])
+
+    def missing_weights(self, loaded: set[tuple[str, int | None]]) -> list[str]:
+        """Parameters (or fused shards) not covered by `loaded` targets."""
+        out = []
+        for n in dict(self.named_parameters()):
+            parts = n.split(".")
+            shards = sorted({k for ours, k in self._FUSED.values() if len(parts) > 1 and ours == parts[-2]})
+            if not shards:
+                if (n, None) not in loaded:
+                    out.append(n)
+                continue
+            out += [f"{n}#{k}" for k in shards if (n, k) not in loaded]
+        return out
+
     @torch.no_grad()
     def load_weights(self, weights) -> None:
         """weights: iterable of (HF name, tensor). Fused q/k/v and gate/up are filled shard by shard."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            target = self.weight_target(name)
+            if target is None:
                 continue
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            for hf, (ours, shard) in self._FUSED.items():
-                if f".{hf}." in name:
-                    name = name.replace(f".{hf}.", f".{ours}.")
-                    param = params[name]
-                    sizes = self._shard_sizes(ours)
-                    start = sum(sizes[:shard])
-                    param.data[start:start + sizes[shard]].copy_(tensor)
-                    loaded.add(f"{name}#{shard}")
-                    break
+            ours, shard = target
+            if ours not in params:
+                raise KeyError(f"unexpected weight {name}")
+            if shard is None:
+                params[ours].data.copy_(tensor)
             else:
-                if name not in params:
-                    raise KeyError(f"unexpected weight {name}")
-                params[name].data.copy_(tensor)
-                loaded.add(name)
-        missing = [n for n in params if n not in loaded and not any(f"{n}#" in x for x in loaded)]
+                sizes = self._shard_sizes(ours.split(".")[-2])
+                start = sum(sizes[:shard])
+                params[ours].data[start:start + sizes[shard]].copy_(tensor)
+            loaded.add(target)
+        missing = self.missing_weights(loaded)
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
 

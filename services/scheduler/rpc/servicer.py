@@ -16,7 +16,9 @@ import grpc
 from ringserve.errors import InvalidArgument, ServiceError, Unavailable
 from ringserve.message import TokenizedReq
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.core import control
 from services.scheduler.core.engine import Engine
+from services.scheduler.core.profiler import ProfileOptions
 from services.scheduler.core.req import Req
 
 log = logging.getLogger(__name__)
@@ -103,3 +105,47 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def FlushCache(self, request, context) -> scheduler_pb2.SchedulerServiceFlushCacheResponse:
         ok, message = await asyncio.to_thread(self._engine().flush_cache)
         return scheduler_pb2.SchedulerServiceFlushCacheResponse(success=ok, message=message)
+
+    # -- operations (core/control.py; each blocks a worker thread, never the event loop) -----------
+
+    async def AbortAll(self, request, context) -> scheduler_pb2.AbortAllResponse:
+        n = await asyncio.to_thread(control.abort_all, self._engine(), request.message or "aborted")
+        return scheduler_pb2.AbortAllResponse(num_aborted=n)
+
+    async def PauseGeneration(self, request, context) -> scheduler_pb2.SchedulerServicePauseGenerationResponse:
+        mode = _PAUSE_MODES.get(request.mode)
+        if mode is None:
+            raise InvalidArgument("mode", f"unknown pause mode {request.mode}")
+        n = await asyncio.to_thread(control.pause, self._engine(), mode)
+        return scheduler_pb2.SchedulerServicePauseGenerationResponse(num_requests=n)
+
+    async def ContinueGeneration(self, request, context) -> scheduler_pb2.SchedulerServiceContinueGenerationResponse:
+        was = await asyncio.to_thread(control.resume, self._engine())
+        return scheduler_pb2.SchedulerServiceContinueGenerationResponse(was_paused=was)
+
+    async def UpdateWeightsFromDisk(self, request,
+                                    context) -> scheduler_pb2.SchedulerServiceUpdateWeightsFromDiskResponse:
+        if not request.model_path:
+            raise InvalidArgument("model_path", "required")
+        r = await asyncio.to_thread(control.update_weights, self._engine(), request.model_path,
+                                    request.load_format, request.abort_all_requests, request.weight_version,
+                                    request.drain_timeout_s)
+        return scheduler_pb2.SchedulerServiceUpdateWeightsFromDiskResponse(success=r.success, message=r.message,
+                                                   num_paused_requests=r.num_paused_requests,
+                                                   weight_version=r.weight_version)
+
+    async def StartProfile(self, request, context) -> scheduler_pb2.SchedulerServiceStartProfileResponse:
+        opts = ProfileOptions(request.output_dir, request.num_steps if request.HasField("num_steps") else None,
+                              list(request.activities), request.with_stack, request.record_shapes,
+                              request.profile_prefix)
+        message = await asyncio.to_thread(control.start_profile, self._engine(), opts)
+        return scheduler_pb2.SchedulerServiceStartProfileResponse(message=message)
+
+    async def StopProfile(self, request, context) -> scheduler_pb2.SchedulerServiceStopProfileResponse:
+        files = await asyncio.to_thread(control.stop_profile, self._engine())
+        return scheduler_pb2.SchedulerServiceStopProfileResponse(trace_files=files)
+
+
+_PAUSE_MODES = {scheduler_pb2.PAUSE_MODE_UNSPECIFIED: "abort", scheduler_pb2.PAUSE_MODE_ABORT: "abort",
+                scheduler_pb2.PAUSE_MODE_RETRACT: "retract", scheduler_pb2.PAUSE_MODE_IN_PLACE: "in_place"}
+
