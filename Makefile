@@ -8,8 +8,10 @@ MODEL ?=
 ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint bench bench-100m bench-engine soak clean
+.PHONY: run test proto model install lint bench bench-100m bench-engine soak chaos clean
 SOAK_S ?= 180
+CHAOS_S ?= 600
+CHAOS_SEED ?=
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PY_BOOT) -m venv $(VENV)
@@ -58,6 +60,12 @@ bench-engine: model
 # 256 streaming clients for SOAK_S seconds through the gateway (not part of `make test`).
 soak: model
 	RINGSERVE_SOAK_S=$(SOAK_S) $(PY) -m pytest -q -s -m soak tests/resilience/test_soak.py $(PYTEST_ARGS)
+
+# Services killed at random moments under streaming load on the real default model for CHAOS_S
+# seconds (not part of `make test`, which runs a short version). CHAOS_SEED replays a run.
+chaos: model
+	RINGSERVE_CHAOS_S=$(CHAOS_S) RINGSERVE_CHAOS_SEED=$(CHAOS_SEED) $(PY) -m pytest -q -s -m chaos \
+		tests/chaos/test_chaos.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf ringserve/v1 .cache .mypy_cache .ruff_cache
