@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 
+from ringserve.process import wait_grpc_serving
 from ringserve.text_tokenizer import TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.resilience.cluster import Cluster, Svc, cluster, eventually, rid_to_state_size, scheduler_load
@@ -263,14 +264,25 @@ class Chaos:
                                                       f"the fault-free run: {out.ids[i][:12]} vs {base[:12]}")
 
     def wait_idle(self, round_no: int) -> None:
+        """Idle, and every service serving again (the next round must not meet a tokenizer still
+        reconnecting to a restarted scheduler: its requests would be refused, not exercised)."""
         try:
+            for t in self.toks:
+                wait_grpc_serving(t.target, 180)
+            eventually(self._gateway_healthy, 180, "gateway healthy", every=0.5)
             for t in self.toks:
                 eventually(_empty_rid_to_state(t.target), 60, f"{t.proc.name} rid_to_state empty")
             eventually(lambda: (ld := scheduler_load(self.sched.target)).num_running_reqs == 0
                        and ld.num_queue_reqs == 0, 60, "scheduler running batch and queue empty")
             eventually(self._flush_and_check_kv, 60, "KV pool empty after a cache flush", every=1.0)
-        except AssertionError as e:
+        except (AssertionError, TimeoutError, RuntimeError) as e:
             self.report.violations.append(f"round {round_no}: not idle: {e}")
+
+    def _gateway_healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.gw.url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _flush_and_check_kv(self) -> bool:
         with grpc.insecure_channel(self.sched.target) as ch:
