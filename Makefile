@@ -9,8 +9,10 @@ ARGS ?=
 RESULTS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint bench bench-table bench-100m bench-engine soak clean
+.PHONY: run test proto model install lint bench bench-table bench-100m bench-engine soak chaos clean
 SOAK_S ?= 180
+CHAOS_S ?= 600
+CHAOS_SEED ?=
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PY_BOOT) -m venv $(VENV)
@@ -65,6 +67,13 @@ bench-engine: model
 # runs a one-minute version (test_soak_short).
 soak: model
 	RINGSERVE_SOAK_S=$(SOAK_S) RINGSERVE_SOAK_MODEL=$(MODEL) $(PY) -m pytest -q -s -m soak tests/resilience/test_soak.py $(PYTEST_ARGS)
+
+# Services killed at random moments under streaming load on the real default model for CHAOS_S
+# seconds, then six detokenizer kills 20 s apart through the launcher (not part of `make test`,
+# which runs four chaos rounds). CHAOS_SEED replays a run's rounds.
+chaos: model
+	RINGSERVE_CHAOS_S=$(CHAOS_S) RINGSERVE_CHAOS_SEED=$(CHAOS_SEED) $(PY) -m pytest -q -s -m chaos \
+		tests/chaos $(PYTEST_ARGS)
 
 clean:
 	rm -rf ringserve/v1 .cache .mypy_cache .ruff_cache

@@ -9,16 +9,17 @@ SIGTERM stops everything in reverse order (each service drains on SIGTERM).
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ringserve import cpu_layout
-from ringserve.config import parse_config
+from ringserve.config import env_name, parse_config
 from ringserve.cpu_layout import CpuLayout
 from ringserve.logs import setup_logging
 from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model, with_tokenizer
@@ -26,6 +27,8 @@ from ringserve.process import ServiceProcess, python_cmd
 from ringserve.text_tokenizer import default_model
 
 log = logging.getLogger("launcher")
+# About how long a restarted detokenizer takes to serve again (tokenizer load), for the grace check.
+DETOKENIZER_START_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,13 @@ class LauncherConfig:
     detokenizer_metrics_port: int = 9093
     startup_timeout_s: float = field(default=600.0, metadata={"help": "per service, model load included"})
     restart: bool = field(default=True, metadata={"help": "restart a service that exits"})
-    max_backoff_s: float = 30.0
+    restart_backoff_s: float = field(default=1.0, metadata={"help": "wait before the first restart; doubles "
+                                                                    "per crash up to --max-backoff-s"})
+    max_backoff_s: float = field(default=30.0, metadata={"help": (
+        "longest wait before a restart; keep it below the tokenizer's --detokenizer-grace-s")})
+    backoff_reset_s: float = field(default=10.0, metadata={"help": (
+        "a service that stayed ready this long after a (re)start gets --restart-backoff-s again at its "
+        "next crash")})
     io_cores: int = field(default=-1, metadata={"help": (
         "cores kept for the gateway, tokenizer and detokenizer when the scheduler runs on CPU: they are "
         "pinned there and its decode steps use the other cores; 0: no pinning; -1: one per 8 cores")})
@@ -57,6 +66,14 @@ class LauncherConfig:
     tokenizer_args: str = field(default="", metadata={"help": "extra flags for the tokenizer"})
     detokenizer_args: str = field(default="", metadata={"help": "extra flags for the detokenizer"})
     gateway_args: str = field(default="", metadata={"help": "extra flags for the gateway"})
+
+    def __post_init__(self) -> None:
+        if self.restart_backoff_s <= 0:
+            raise ValueError("--restart-backoff-s must be > 0")
+        if self.max_backoff_s < self.restart_backoff_s:
+            raise ValueError("--max-backoff-s must be >= --restart-backoff-s")
+        if self.backoff_reset_s < 0:
+            raise ValueError("--backoff-reset-s must be >= 0")
 
 
 @dataclass
@@ -98,6 +115,31 @@ def service_commands(cfg: LauncherConfig, layout: CpuLayout | None = None
     ]
 
 
+class RestartBackoff:
+    """How long to wait before restarting a service that exited.
+
+    Doubles from `first_s` up to `max_s` while the service keeps crashing (a crash loop must not spin),
+    and starts over at `first_s` when the service had been ready for `reset_after_s` before it exited:
+    a service that crashes now and then, with healthy service between, comes back in about `first_s`
+    each time rather than ever more slowly (kills 20 s apart used to reach the 30 s ceiling by the
+    sixth, and a 30 s outage is exactly what the tokenizer's detokenizer grace does not survive).
+    """
+
+    def __init__(self, first_s: float, max_s: float, reset_after_s: float) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.reset_after_s = reset_after_s
+        self._next = first_s
+
+    def next(self, healthy_s: float) -> float:
+        """The wait before this restart, given how long the service was ready before it exited."""
+        if healthy_s >= self.reset_after_s:
+            self._next = self.first_s
+        wait = min(self._next, self.max_s)
+        self._next = min(self._next * 2, self.max_s)
+        return wait
+
+
 class Launcher:
     def __init__(self, cfg: LauncherConfig) -> None:
         self.cfg = cfg
@@ -127,28 +169,31 @@ class Launcher:
             threading.Thread(target=self._supervise, args=(svc,), daemon=True, name=svc.proc.name).start()
 
     def _supervise(self, svc: Managed) -> None:
-        """Restart `svc` whenever it exits, with backoff reset after a minute of good health."""
-        backoff = 1.0
+        """Restart `svc` whenever it exits, after a backoff (RestartBackoff) that grows while it keeps
+        crashing and starts over once it has served for backoff_reset_s."""
+        policy = RestartBackoff(self.cfg.restart_backoff_s, self.cfg.max_backoff_s, self.cfg.backoff_reset_s)
+        ready_at: float | None = time.monotonic()  # start_all waited for it to be ready
         while not self.stopping.is_set():
             assert svc.proc.proc is not None
-            started = time.monotonic()
             code = svc.proc.proc.wait()
             if self.stopping.is_set() or not self.cfg.restart:
                 if not self.stopping.is_set():
                     log.error("%s exited with %s; restart disabled", svc.proc.name, code)
                 return
-            if time.monotonic() - started > 60:
-                backoff = 1.0
-            log.warning("%s exited with %s; restarting in %.0fs", svc.proc.name, code, backoff)
+            healthy_s = time.monotonic() - ready_at if ready_at is not None else 0.0
+            backoff = policy.next(healthy_s)
+            log.warning("%s exited with %s after %.0fs ready; restarting in %.1fs", svc.proc.name, code,
+                        healthy_s, backoff)
             if self.stopping.wait(backoff):
                 return
-            backoff = min(backoff * 2, self.cfg.max_backoff_s)
             svc.restarts += 1
             svc.proc.start()
             try:
                 self._wait_ready(svc)
+                ready_at = time.monotonic()
                 log.info("%s back (restart %d)", svc.proc.name, svc.restarts)
             except (TimeoutError, RuntimeError) as e:
+                ready_at = None  # never ready: the next crash counts as a crash loop
                 log.error("%s did not become ready after restart: %s", svc.proc.name, e)
 
     def stop_all(self) -> None:
@@ -176,6 +221,35 @@ class Launcher:
         ])
 
 
+def tokenizer_grace_s(cfg: LauncherConfig) -> float:
+    """The --detokenizer-grace-s the tokenizer will run with (its flag in --tokenizer-args, its env
+    variable, else its default)."""
+    from services.tokenizer.config import TokenizerConfig  # its config only, no gRPC or model
+
+    args = shlex.split(cfg.tokenizer_args)
+    for i, a in enumerate(args):
+        if a.startswith("--detokenizer-grace-s="):
+            return float(a.split("=", 1)[1])
+        if a == "--detokenizer-grace-s" and i + 1 < len(args):
+            return float(args[i + 1])
+    raw = os.environ.get(env_name("detokenizer_grace_s"))
+    if raw:
+        return float(raw)
+    default = next(f.default for f in fields(TokenizerConfig) if f.name == "detokenizer_grace_s")
+    return float(default)  # type: ignore[arg-type]
+
+
+def check_restart_policy(cfg: LauncherConfig) -> None:
+    """The tokenizer keeps requests alive while the detokenizer is away for its grace period; a
+    restart that waits as long as that grace turns every detokenizer crash into failed requests.
+    Warn (one line) when the longest backoff plus a start does not fit in the grace."""
+    grace = tokenizer_grace_s(cfg)
+    if grace <= cfg.max_backoff_s + DETOKENIZER_START_S:
+        log.warning("tokenizer --detokenizer-grace-s %.0fs is not longer than --max-backoff-s %.0fs plus a "
+                    "detokenizer start (~%.0fs): in-flight requests fail when the detokenizer crashes "
+                    "repeatedly", grace, cfg.max_backoff_s, DETOKENIZER_START_S)
+
+
 def preflight(cfg: LauncherConfig) -> LauncherConfig:
     """The model every service will read, prepared (fetched, converted) and checked before any starts;
     a model that cannot be served exits here with one line."""
@@ -193,6 +267,7 @@ def preflight(cfg: LauncherConfig) -> LauncherConfig:
 def main(argv: list[str] | None = None) -> int:
     setup_logging("launcher")
     cfg = preflight(parse_config(LauncherConfig, argv))
+    check_restart_policy(cfg)
     launcher = Launcher(cfg)
     done = threading.Event()
     started = threading.Event()

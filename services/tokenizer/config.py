@@ -47,8 +47,10 @@ class TokenizerConfig(TlsConfig):
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings (and stop_regex) per request"})
     max_stop_len: int = field(default=256, metadata={"help": "longest stop string or stop_regex pattern (characters)"})
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs_num"})
+    # Longer than the launcher's longest restart backoff (--max-backoff-s, 30) plus a detokenizer
+    # start, so a detokenizer that keeps crashing and coming back never fails in-flight requests.
     detokenizer_grace_s: float = field(
-        default=30.0, metadata={"help": "fail in-flight requests after this long without a detokenizer"})
+        default=60.0, metadata={"help": "fail in-flight requests after this long without a detokenizer"})
     max_pending_requests: int = field(default=4096,
                                       metadata={"help": "most live internal requests; more get RESOURCE_EXHAUSTED"})
     cache_threshold: float = field(default=0.5, metadata={"help": "cache_aware: least prefix match ratio to follow"})

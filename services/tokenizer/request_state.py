@@ -67,23 +67,31 @@ class ReqState:
     last_token_at: float | None = None
     input_logprobs_seen: bool = False  # a resync may send them again: pass them on once
     output: ChatOutput | None = None  # a chat sample's reasoning / tool-call parsing, when it has any
+    gaps: int = 0  # deltas dropped because they started past what this state holds
 
     @property
     def rid(self) -> str:
         return self.req.rid
 
     def apply(self, delta: TextDelta, now: float | None = None) -> int:
-        """Merge a delta, dropping what was already received. Returns the number of new ids."""
+        """Merge a delta, dropping what was already received. Returns the number of new ids.
+
+        A delta that starts past what this state holds (a lost message: its ids or text would be
+        spliced on at the wrong place) is dropped whole, finish included: every way a message can be
+        lost (a detokenizer restarted, a subscription replaced, a backlog overflowed) is followed by
+        a resync, which re-sends this request from offset 0, and the dedup below takes the rest from it.
+        Splicing instead made the gap permanent: the resync's overlap is skipped by count, so the
+        missing piece never came and the text no longer matched the ids (issue #31)."""
         if self.finished:
+            return 0
+        if delta.token_offset > self.num_ids or delta.text_offset > self.num_chars:
+            self.gaps += 1
+            log.warning("rid=%s gap: have %d ids / %d chars, delta starts at %d / %d; dropped until the "
+                        "resync", self.rid, self.num_ids, self.num_chars, delta.token_offset, delta.text_offset)
             return 0
         new_ids = 0
         if delta.ids:
             skip = self.num_ids - delta.token_offset
-            if skip < 0:
-                # A gap means a lost message; keep going rather than stall the stream.
-                log.warning("rid=%s token gap: have %d ids, delta starts at %d", self.rid, self.num_ids,
-                            delta.token_offset)
-                skip = 0
             fresh = delta.ids[skip:]
             if fresh:
                 self.pending.ids.extend(fresh)
@@ -92,8 +100,7 @@ class ReqState:
                 self.num_ids += len(fresh)
                 new_ids = len(fresh)
         if delta.text:
-            skip = max(0, self.num_chars - delta.text_offset)
-            fresh_text = delta.text[skip:]
+            fresh_text = delta.text[self.num_chars - delta.text_offset:]
             if fresh_text:
                 self.pending.text += fresh_text
                 self.num_chars += len(fresh_text)

@@ -20,16 +20,36 @@ async def test_full_queue_backpressures_publish() -> None:
     assert [await sub.get(), await sub.get()] == [2, 3]
 
 
-async def test_replaced_subscriber_ends_and_new_one_gets_items() -> None:
+async def test_replaced_subscriber_ends_and_new_one_gets_its_pending_items() -> None:
     subs: Subscriptions[int] = Subscriptions(queue_size=4)
     first = subs.subscribe("o")
     await subs.publish("o", 1)
     second = subs.subscribe("o")
-    assert await first.get() is None  # pending items dropped: the resync re-sends them
+    assert await first.get() is None
     await subs.publish("o", 2)
-    assert await second.get() == 2
+    # What the first had not sent comes first: the owner's stream has no hole (issue #31).
+    assert [await second.get(), await second.get()] == [1, 2]
     subs.unsubscribe(first)  # a stale stream ending does not remove the new subscriber
     assert len(subs) == 1
+
+
+async def test_ended_subscription_leaves_its_pending_items_to_the_next() -> None:
+    subs: Subscriptions[int] = Subscriptions(queue_size=4)
+    first = subs.subscribe("o")
+    await subs.publish("o", 1)
+    subs.unsubscribe(first)  # the stream broke before sending it
+    await subs.publish("o", 2)
+    second = subs.subscribe("o")
+    assert [await second.get(), await second.get()] == [1, 2]
+
+
+async def test_carried_items_beyond_the_queue_are_dropped_with_a_log_line(caplog) -> None:  # type: ignore[no-untyped-def]
+    subs: Subscriptions[int] = Subscriptions(queue_size=2)
+    for i in range(3):
+        await subs.publish("o", i)
+    sub = subs.subscribe("o")
+    assert "owner=o 1 queued batches dropped at subscribe" in caplog.text
+    assert [await sub.get(), await sub.get()] == [0, 1]
 
 
 async def test_backlog_is_bounded_and_logged(caplog) -> None:  # type: ignore[no-untyped-def]

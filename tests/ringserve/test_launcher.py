@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ringserve.config import parse_config
 from ringserve.cpu_layout import CpuLayout
-from ringserve.launcher import LauncherConfig, service_commands
+from ringserve.launcher import (
+    LauncherConfig,
+    RestartBackoff,
+    check_restart_policy,
+    service_commands,
+    tokenizer_grace_s,
+)
 
 
 def test_service_commands_start_order_and_wiring() -> None:
@@ -24,3 +32,24 @@ def test_cpu_layout_gives_the_scheduler_decode_threads_before_the_users_flags() 
     sched = service_commands(cfg, CpuLayout(io_cpus=frozenset({1}), decode_threads=1))[1][1]
     assert sched[-4:] == ["--decode-threads", "1", "--decode-threads", "3"]  # the last one wins
     assert "--decode-threads" not in service_commands(cfg)[1][1][:-2]
+
+
+def test_restart_backoff_doubles_while_crashing_and_resets_after_healthy_service() -> None:
+    b = RestartBackoff(first_s=1.0, max_s=30.0, reset_after_s=10.0)
+    assert [b.next(0.5) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]  # a crash loop
+    # Kills 20 s apart, each after the service served again: back in 1 s every time (issue #31:
+    # it used to keep doubling, and from the sixth the 30 s wait outlasted the tokenizer's grace).
+    assert [b.next(20.0) for _ in range(6)] == [1, 1, 1, 1, 1, 1]
+
+
+def test_restart_policy_flags_and_the_grace_check(caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("RINGSERVE_DETOKENIZER_GRACE_S", raising=False)
+    cfg = parse_config(LauncherConfig, ["--model", "m", "--max-backoff-s", "8", "--backoff-reset-s", "5"])
+    assert (cfg.restart_backoff_s, cfg.max_backoff_s, cfg.backoff_reset_s) == (1.0, 8.0, 5.0)
+    assert tokenizer_grace_s(cfg) == 60.0  # the tokenizer's default, longer than the longest backoff
+    check_restart_policy(LauncherConfig(model="m"))
+    assert "detokenizer-grace-s" not in caplog.text
+    check_restart_policy(LauncherConfig(model="m", tokenizer_args="--detokenizer-grace-s 30"))
+    assert "--detokenizer-grace-s 30s is not longer than --max-backoff-s 30s" in caplog.text
+    with pytest.raises(ValueError, match="--max-backoff-s"):
+        LauncherConfig(model="m", restart_backoff_s=4.0, max_backoff_s=2.0)

@@ -64,3 +64,23 @@ def test_any_replay_order_of_prefixes_gives_the_full_output(cuts):
         received = end
     chunk = s.take()
     assert chunk.ids == full_ids[:received] and chunk.text == full_text[:received]
+
+
+def test_a_delta_past_what_is_held_waits_for_the_resync():
+    """A lost message (a gap) must not be spliced over: the delta after it is dropped whole, finish
+    included, and the resync from offset 0 fills everything in (issue #31)."""
+    s = state()
+    s.apply(delta(0, [1, 2], 0, "ab"))
+    assert s.apply(delta(3, [4], 3, "d")) == 0  # ids 2 and text 2 were lost: a gap in both
+    assert s.apply(delta(4, [5], 4, "e", finish=True)) == 0 and not s.finished
+    assert s.gaps == 2 and s.num_ids == 2 and s.num_chars == 2
+    assert s.apply(delta(0, [1, 2, 3, 4, 5], 0, "abcde", finish=True)) == 3  # the resync
+    chunk = s.take()
+    assert s.finished and chunk.ids == [1, 2, 3, 4, 5] and chunk.text == "abcde"
+
+
+def test_a_text_gap_alone_is_a_gap():
+    s = state()
+    s.apply(delta(0, [1], 0, "a"))
+    assert s.apply(delta(1, [2], 2, "c")) == 0  # ids contiguous, but text 1 was lost
+    assert s.take().text == "a" and s.gaps == 1
