@@ -98,7 +98,7 @@ class SchedulerServer:
         self.draining = self.servicer.draining = True
         await self.grpc.set_serving(False)
         deadline = time.monotonic() + cfg.grace_period_s
-        while engine.has_work() and time.monotonic() < deadline:
+        while engine.busy() and time.monotonic() < deadline:
             await asyncio.to_thread(engine.wait_idle, min(1.0, max(0.0, deadline - time.monotonic())))
         stop.set()
         engine.wake()

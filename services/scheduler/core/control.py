@@ -110,7 +110,7 @@ def update_weights(engine: Engine, model_path: str, load_format: str = "", abort
             if time.monotonic() >= end:
                 return UpdateResult(False, f"{busy} running request(s) did not finish within {drain_timeout_s:.0f}s; "
                                            "retry with abort_all_requests", 0, version)
-            time.sleep(DRAIN_POLL_S)  # polling the engine's progress, not waiting for readiness
+            engine.inbox.wait(DRAIN_POLL_S, busy=False)  # the engine steps meanwhile; recheck
     finally:
         with engine._lock:
             s.hold_new = False

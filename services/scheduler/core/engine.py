@@ -234,9 +234,15 @@ class Engine:
     def wait_idle(self, timeout: float) -> bool:
         """Until no request is queued, compiling its grammar or running (or timeout); True when idle."""
         end = time.monotonic() + timeout
-        while self.has_work() and time.monotonic() < end:
+        while self.busy() and time.monotonic() < end:
             self.inbox.wait(min(0.05, max(0.0, end - time.monotonic())), busy=False)
-        return not self.has_work()
+        return not self.busy()
+
+    def busy(self) -> bool:
+        """has_work from another thread: under the step lock, since a step's recv moves requests from
+        the inbox to the scheduler, and between the two neither would show them."""
+        with self._lock:
+            return self.has_work()
 
     def _update_load(self) -> None:
         s = self.scheduler

@@ -64,12 +64,12 @@ class Inbox:
                 raise QueueFull(f"{self.queued + self._new} requests queued (max {self.max_queued_requests})")
             self._new += 1
             self._messages.append(req)
-            self._cond.notify()
+            self._cond.notify_all()  # the engine thread, and any wait_idle / weight-update drain waiting too
 
     def put(self, msg: AbortRid | AbortOwner | Resync) -> None:
         with self._cond:
             self._messages.append(msg)
-            self._cond.notify()
+            self._cond.notify_all()
 
     @property
     def pending_requests(self) -> int:
