@@ -15,6 +15,7 @@ from services.scheduler.attention.decode_cache import default_budget, shared_bud
 from services.scheduler.kernels import cpu_linear
 from services.scheduler.kernels.cpu_kernels import load as load_cpu_kernels
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.lora.manager import LoraManager, LoraSettings
 from services.scheduler.model_executor import model_loader
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models import get_model_class
@@ -35,9 +36,10 @@ class ModelRunner:
                  cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
                  num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
                  kernel_cache: str | None = None, decode_cache_bytes: int | None = None,
-                 other_bounds: Sequence[memory.Bound] = ()) -> None:
+                 other_bounds: Sequence[memory.Bound] = (), lora: LoraSettings | None = None) -> None:
         """other_bounds: host memory the caller will allocate besides the
-        runner's (the grammar cache), for the startup memory check."""
+        runner's (the grammar cache), for the startup memory check. lora: serve LoRA adapters (the
+        slot pool is reserved now; None: no LoRA, and nothing of it in the forward)."""
         t0 = time.monotonic()
         self.model_path = model_path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -74,6 +76,8 @@ class ModelRunner:
         self.model = self._load_model(path)
         self.weights_bytes = _weights_bytes(self.model)
         logger.info("weights loaded in %.1fs", time.monotonic() - t0)
+        # After packing: the wrappers call whatever linear the CPU path left in place.
+        self.lora = LoraManager(self.model, lora, self.device, self.dtype) if lora is not None else None
 
         attn = self.model.first_attention()
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -165,6 +169,11 @@ class ModelRunner:
             if shared is not None:
                 items.append(memory.MemoryItem("shared_prefixes", shared.held_bytes(), shared.max_bytes,
                                                "--decode-cache-mib / 4"))
+        if self.lora is not None:
+            pool = self.lora.pool_bytes
+            items.append(memory.MemoryItem("lora_slots", pool, pool, "--max-loras-per-batch, --max-lora-rank"))
+            items.append(memory.MemoryItem("lora_adapters", self.lora.host_bytes, self.lora.host_bytes,
+                                           "--max-loaded-loras"))
         if self.device.type == "cuda":
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             items.append(memory.MemoryItem("cuda_cached", cached, cached, "returned when idle"))
@@ -201,6 +210,13 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] float32 of each request's last new token (with batch.logit_rows: of each
         request's last logit_rows[b] new tokens, [sum(logit_rows), V])."""
+        if batch.lora_ids is not None and self.lora is not None:
+            # Eager: the captured graphs hold the base model only (the LoRA plan changes every batch).
+            self.lora.begin(batch.lora_ids, batch.extend_lens)
+            try:
+                return self.forward_eager(batch)
+            finally:
+                self.lora.end()
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
             return self.cuda_graph_runner.replay(batch)
         return self.forward_eager(batch)
