@@ -4,6 +4,7 @@ so every adapter changes the output)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -35,7 +36,7 @@ def peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], n
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()

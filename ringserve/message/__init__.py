@@ -27,5 +27,5 @@ from ringserve.message.request import TokenizedReq
 from ringserve.message.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from ringserve.message.timings import Timings
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DecodeParams", "Finish", "Load", "Logprob", "LoraAdapter", "SamplingParams", "StepBatch",
-           "TextDelta", "Timings", "TokenDelta", "TokenizedReq"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DecodeParams", "Finish", "Load", "Logprob", "LoraAdapter", "SamplingParams",
+           "StepBatch", "TextDelta", "Timings", "TokenDelta", "TokenizedReq"]

@@ -10,7 +10,7 @@ import time
 
 from ringserve import tls
 from ringserve.grpc_server import GrpcService
-from ringserve.message import TokenDelta
+from ringserve.message import LoraAdapter, TokenDelta
 from ringserve.metrics_http import start_metrics_server
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerServerConfig
@@ -45,7 +45,11 @@ class SchedulerServer:
             max_prefill_tokens=c.max_prefill_tokens, chunked_prefill_size=e.chunked_prefill_size,
             context_length=e.runner.context_length, schedule_policy=c.schedule_policy,
             max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE, weight_version=e.weight_version,
-            paused=e.paused or "")
+            paused=e.paused or "",
+            lora_adapters=[LoraAdapter(a.weights.name, a.weights.path, a.pinned).to_pb()
+                           for a in (e.lora.listing() if e.lora is not None else [])],
+            max_loras_per_batch=e.lora.settings.max_loras_per_batch if e.lora is not None else 0,
+            max_lora_rank=e.lora.settings.max_lora_rank if e.lora is not None else 0)
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up

@@ -117,7 +117,8 @@ def load_adapter(name: str, path: str, *, num_layers: int, dims: dict[str, tuple
                                f"layer's {', '.join(HF_TARGETS)} (embedding and lm_head adapters are not supported)")
         layer, module, half = int(m.group(1)), m.group(2), m.group(3)
         if module not in HF_TARGETS:
-            raise AdapterError(f"adapter {name!r}: tensor {key!r} targets {module!r}, not one of {', '.join(HF_TARGETS)}")
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} targets {module!r}, "
+                               f"not one of {', '.join(HF_TARGETS)}")
         if module not in allowed:
             raise AdapterError(f"adapter {name!r} targets {module!r}, which this server was not started for "
                                f"(--lora-target-modules: {', '.join(sorted(allowed))})")

@@ -19,10 +19,9 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch import nn
 
 from ringserve.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from services.scheduler.lora.adapter import (
@@ -36,6 +35,9 @@ from services.scheduler.lora.adapter import (
     peek_rank,
 )
 from services.scheduler.lora.layers import LoraProjection, LoraState, plan_rows
+
+if TYPE_CHECKING:
+    from services.scheduler.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_LOADED = 64
@@ -72,7 +74,8 @@ class LoadedAdapter(NamedTuple):
 
 
 class LoraManager:
-    def __init__(self, model: nn.Module, settings: LoraSettings, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaForCausalLM, settings: LoraSettings, device: torch.device,
+                 dtype: torch.dtype) -> None:
         if settings.max_loras_per_batch < 1:
             raise ValueError("--max-loras-per-batch must be at least 1")
         if settings.max_lora_rank < 1:
@@ -88,9 +91,9 @@ class LoraManager:
         self.slot_uid = [0] * n_slots                      # uid held by each slot (0: free)
         self.slot_stamp = [0] * n_slots                    # LRU clock per slot
         self._clock = itertools.count(1)
-        self.num_layers = len(model.layers)                # type: ignore[arg-type]
-        attn = model.first_attention()                     # type: ignore[operator]
-        cfg = model.config
+        self.num_layers = len(model.layers)
+        attn = model.first_attention()
+        cfg: Any = model.config
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.dims = {"q_proj": (h, attn.q_size), "k_proj": (h, attn.kv_size), "v_proj": (h, attn.kv_size),
                      "o_proj": (attn.q_size, h), "gate_proj": (h, inter), "up_proj": (h, inter),
@@ -98,7 +101,7 @@ class LoraManager:
         fused_used = {HF_TARGETS[m][0] for m in self.allowed}
         self.projections: dict[tuple[int, str], LoraProjection] = {}
         r = settings.max_lora_rank
-        for i, layer in enumerate(model.layers):           # type: ignore[arg-type]
+        for i, layer in enumerate(model.layers):
             for fused in sorted(fused_used):
                 parent = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
                 sizes = [self.dims[hf][1] for hf, (f, _) in sorted(HF_TARGETS.items(), key=lambda kv: kv[1][1])
