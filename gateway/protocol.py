@@ -40,7 +40,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "functions": (None, []), "function_call": (None, "none"), "verbosity": (None,),
     # SGLang
-    "lora_path": (None, ""), "priority": (None, 0), "return_hidden_states": (None, False),
+    "priority": (None, 0), "return_hidden_states": (None, False),
     "session_params": (None,), "custom_logit_processor": (None, ""), "custom_params": (None,),
     "image_data": (None, []), "audio_data": (None, []), "video_data": (None, []),
     "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
@@ -149,6 +149,8 @@ class SamplingExtras(SamplingFields):
     response_format: ResponseFormat | None = None
     min_tokens: UInt32 = 0  # vLLM's name for min_new_tokens
     rid: str | None = Field(None, description="Request id (SGLang extra); generated when absent.")
+    lora_path: str | None = Field(None, description="A loaded LoRA adapter's name (SGLang extra); "
+                                                     "or name the adapter as the model (vLLM).")
 
 
 class CompletionRequest(SamplingExtras):
@@ -354,6 +356,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ringserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for the base model
     max_model_len: int | None = None
 
 
