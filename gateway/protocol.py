@@ -34,13 +34,14 @@ class _Request(BaseModel):
 
 # Fields of the OpenAI, SGLang or vLLM APIs that change the output and are not implemented here,
 # with the values that ask for nothing (sent by clients that fill every field): any other value is
-# a 400 naming the field, never a silent 200.
+# a 400 naming the field, never a silent 200. A request model that declares one of them (lora_path on
+# the generation requests) implements it; the others still refuse it.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "functions": (None, []), "function_call": (None, "none"), "verbosity": (None,),
     # SGLang
-    "priority": (None, 0), "return_hidden_states": (None, False),
+    "lora_path": (None, ""), "priority": (None, 0), "return_hidden_states": (None, False),
     "session_params": (None,), "custom_logit_processor": (None, ""), "custom_params": (None,),
     "image_data": (None, []), "audio_data": (None, []), "video_data": (None, []),
     "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
