@@ -74,7 +74,8 @@ def test_plan_groups_rows_by_slot() -> None:
     assert plan is not None
     groups = dict(plan.groups)
     assert isinstance(groups[1], slice) and (groups[1].start, groups[1].stop) == (6, 7)
-    assert groups[0].tolist() == [0, 1, 2, 3, 4, 7]  # two ranges of slot 0 (first two requests merged)
+    # Slot 0: two ranges (the first two requests' merged into one).
+    assert isinstance(groups[0], torch.Tensor) and groups[0].tolist() == [0, 1, 2, 3, 4, 7]
 
 
 def test_mixed_batches_equal_alone_with_fewer_slots_than_adapters(engine: Engine) -> None:
