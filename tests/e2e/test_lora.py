@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from tests.e2e.stack import Stack, running_stack
+from tests.e2e.test_operations import start_streams
 from tests.lora_adapters import make_adapter
 
 pytestmark = pytest.mark.e2e
@@ -92,12 +92,16 @@ def test_load_use_unload_use_again(stack: Stack, adapters: dict[str, str]) -> No
     assert comp.status_code == 200, comp.text
     assert comp.json()["model"] == "late"
     # While streams on it run, the unload waits for them; they finish on the adapter.
-    with cf.ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(_gen, stack, PROMPTS[0], "late") for _ in range(3)]
-        time.sleep(0.05)  # let them reach the server; the unload is correct either way
-        r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert all(f.result()["output_ids"] == used for f in running)
+    long = {"text": PROMPTS[0], "lora_path": "late", "sampling_params": {"temperature": 0, "max_new_tokens": 48,
+                                                                           "min_new_tokens": 48}}
+    streams = start_streams(stack, [long] * 3)
+    for st in streams:
+        assert st.started.wait(60) and not st.error, st.error  # each has produced tokens: it is in flight
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    assert r.status_code == 200, r.text
+    for st in streams:
+        assert st.done.wait(60) and not st.error, st.error
+        assert st.output_ids[:NEW] == used and len(st.output_ids) == 48
     again = httpx.post(f"{url}/generate", json={"text": PROMPTS[0], "lora_path": "late"}, timeout=60)
     assert again.status_code == 404, again.text
     assert "late" in again.json()["error"]["message"]
