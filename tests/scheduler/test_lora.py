@@ -81,12 +81,13 @@ def test_plan_groups_rows_by_slot() -> None:
 
 
 def test_mixed_batches_equal_alone_with_fewer_slots_than_adapters(engine: Engine) -> None:
-    prompts = [[5, 17, 300, 42, 9] * 3, [11, 12]]
+    prompts = [[11, 12], [5, 17, 300, 42, 9] * 3]  # the short ones decode while the long ones prefill
     names = ["", "a", "b", "c"]
     alone = {(i, n): engine.generate([p], GREEDY, lora=[n])[0].output_ids for i, p in enumerate(prompts) for n in names}
     for i in range(len(prompts)):
         assert len({tuple(alone[(i, n)]) for n in names}) == 4  # every adapter changes the output
     cases = [(i, n) for i in range(len(prompts)) for n in names]
+    assert engine.flush_cache()[0]  # no cached prompts: the long ones prefill in chunks, mixed with decodes
     together = engine.generate([prompts[i] for i, _ in cases], GREEDY, lora=[n for _, n in cases])
     assert [r.output_ids for r in together] == [alone[c] for c in cases]
     assert engine.scheduler.stats.mixed_steps > 0
@@ -135,3 +136,16 @@ def test_bad_adapters_name_the_problem(engine: Engine, tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument, match="lora_path") as e:
             control.load_lora(engine, LoraAdapter("bad", str(path)))
         assert problem in str(e.value), (path, e.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_float32_equals_cpu(model_dir: str, adapters: dict[str, str], engine: Engine) -> None:
+    """The same plain-torch LoRA path on CUDA (float32, so greedy ids compare exactly; CUDA graphs on
+    for the base-only decode steps) gives the CPU engine's tokens for a mixed batch."""
+    gpu = Engine(EngineConfig(model=model_dir, device="cuda", dtype="float32",
+                              lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()), max_loras_per_batch=2,
+                              max_lora_rank=4, max_total_tokens=2048, grammar_backend="none"))
+    prompts, names = [[5, 17, 300, 42, 9], [11, 12], [7, 7, 7]] * 2, ["", "a", "b", "c", "a", ""]
+    want = [r.output_ids for r in engine.generate(prompts, GREEDY, lora=names)]
+    assert [r.output_ids for r in gpu.generate(prompts, GREEDY, lora=names)] == want
