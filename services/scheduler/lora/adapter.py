@@ -107,7 +107,10 @@ def load_adapter(name: str, path: str, *, num_layers: int, dims: dict[str, tuple
         raw = load_file(str(st), device="cpu")
     except Exception as e:  # safetensors raises its own error types for a broken file
         raise AdapterError(f"adapter {name!r}: {st}: {e}") from None
-    alpha = float(cfg.get("lora_alpha", 8))
+    try:
+        alpha = float(cfg.get("lora_alpha", 8))
+    except (TypeError, ValueError):
+        raise AdapterError(f"adapter {name!r}: lora_alpha {cfg.get('lora_alpha')!r} is not a number") from None
     rslora = bool(cfg.get("use_rslora", False))
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in raw.items():
@@ -164,5 +167,7 @@ def parse_lora_paths(items: tuple[str, ...] | list[str]) -> list[tuple[str, str]
 def peek_rank(path: str, name: str) -> int:
     """The highest rank an adapter's config declares (r, and rank_pattern's values)."""
     cfg = read_config(Path(path), name)
-    ranks = [int(cfg.get("r", 8)), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())]
-    return max(ranks)
+    try:
+        return max([int(cfg.get("r", 8)), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())])
+    except (TypeError, ValueError, AttributeError):
+        raise AdapterError(f"adapter {name!r}: r / rank_pattern in adapter_config.json are not integers") from None
