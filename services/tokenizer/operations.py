@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -175,11 +175,17 @@ class SchedulerOps:
             if a.name not in registry.adapters:
                 registry.add(a)
                 log.info("lora adapter %s (from %s) registered from scheduler %s", a.name, a.path, conn.address)
-        missing = [a for a in registry.listing() if a.name not in have]
-        for a in missing:
-            task = asyncio.get_running_loop().create_task(self._push(conn, a))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+                for other in self.pool.conns.values():  # the others get it too (their flags may differ)
+                    if other is not conn and other.connected:
+                        self._spawn(self._push(other, a))
+        for a in registry.listing():
+            if a.name not in have:
+                self._spawn(self._push(conn, a))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _push(self, conn: SchedulerConnection, adapter: LoraAdapter) -> None:
         sreq = scheduler_pb2.SchedulerServiceLoadLoraAdapterRequest(adapter=adapter.to_pb())
