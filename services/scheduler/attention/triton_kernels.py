@@ -148,7 +148,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         mid_o = torch.empty(bs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(bs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
     block_d = triton.next_power_of_2(head_dim)
     window = window_of(sliding_window)
     _decode_stage1[(bs, num_kv_heads, num_splits)](
@@ -266,7 +266,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
     bs = req_pool_indices.shape[0]
     grid = (bs, num_heads, triton.cdiv(max_extend_len, BLOCK_M))
     _extend_kernel[grid](
