@@ -9,7 +9,7 @@ ARGS ?=
 RESULTS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint bench bench-table bench-100m bench-engine soak chaos clean
+.PHONY: run test proto model install lint gpu-check bench bench-table bench-100m bench-engine soak chaos clean
 SOAK_S ?= 180
 CHAOS_S ?= 600
 CHAOS_SEED ?=
@@ -47,6 +47,12 @@ lint: proto
 	else echo "lint: npx not installed, buf lint skipped"; fi
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+
+# The device check (bench/gpu_check.py): one GPU, < 8 minutes by construction, nothing downloaded.
+# ARGS=--cpu-smoke runs every leg on CPU with tiny shapes.
+gpu-check: proto
+	$(PY) -m ringserve.default_model
+	$(PY) -m bench.gpu_check $(ARGS)
 
 bench: model
 	$(PY) -m bench $(ARGS)

@@ -37,6 +37,9 @@ class EngineConfig:
     context_length: int | None = field(default=None, metadata=_h("override the model's context length"))
     disable_cuda_graph: bool = field(default=False, metadata=_h("run decode eagerly on CUDA"))
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
+    attention_backend: str | None = field(default=None, metadata=_h(
+        "triton, flashinfer or torch (default: triton on CUDA, torch SDPA + the C kernels on CPU); "
+        "flashinfer needs `pip install flashinfer-python` and a GPU"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
     decode_threads: int | None = field(default=None, metadata=_h(
@@ -73,6 +76,8 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size: must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens: must be >= 2")
+        if self.attention_backend is not None and self.attention_backend not in ("triton", "flashinfer", "torch"):
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not triton, flashinfer or torch")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} is not xgrammar or none")
         if not self.grammar_compile_timeout_s > 0:

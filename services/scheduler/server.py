@@ -45,7 +45,8 @@ class SchedulerServer:
             max_prefill_tokens=c.max_prefill_tokens, chunked_prefill_size=e.chunked_prefill_size,
             context_length=e.runner.context_length, schedule_policy=c.schedule_policy,
             max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE, weight_version=e.weight_version,
-            paused=e.paused or "")
+            paused=e.paused or "", attention_backend=e.runner.attention_backend,
+            cuda_graph=e.runner.cuda_graph_runner is not None and e.runner.cuda_graph_runner.enabled)
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up
