@@ -63,6 +63,10 @@ class EngineConfig:
         "CPU decode: MiB for the dense per-request K/V copies (a quarter more for shared prefixes); "
         "beyond it decode gathers from the pool (slower). Default: twice the KV pool, at least 1024"))
 
+    synthetic_forward: bool = field(default=False, metadata=_h(
+        "benchmarking only: skip the model's forward and emit fixed pseudo-random tokens (never EOS), so "
+        "the gateway, tokenizer and detokenizer can be driven at their limit (bench/ring_cpu.py)"))
+
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not fcfs or lpm")

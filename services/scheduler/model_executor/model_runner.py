@@ -38,13 +38,16 @@ class ModelRunner:
                  num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
                  kernel_cache: str | None = None, decode_cache_bytes: int | None = None,
                  attention_backend: str | None = None, emulate_cuda_graph: bool = False,
-                 other_bounds: Sequence[memory.Bound] = ()) -> None:
+                 other_bounds: Sequence[memory.Bound] = (), synthetic_forward: bool = False) -> None:
         """other_bounds: host memory the caller will allocate besides the
         runner's (the grammar cache), for the startup memory check. attention_backend: triton,
         flashinfer or torch (None: triton on CUDA when it imports, else torch). emulate_cuda_graph:
-        run the CUDA-graph logic on any device with recorded functions in place of graphs (tests)."""
+        run the CUDA-graph logic on any device with recorded functions in place of graphs (tests).
+        synthetic_forward: `forward` skips the model and returns logits that pick `synthetic_tokens`
+        (benchmarks of the services around the scheduler; the pools and the scheduling are real)."""
         t0 = time.monotonic()
         self.model_path = model_path
+        self.synthetic_forward = synthetic_forward
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -101,6 +104,9 @@ class ModelRunner:
             t1 = time.monotonic()
             self.cuda_graph_runner = CudaGraphRunner(self, cuda_graph_max_bs, emulate=emulate_cuda_graph)
             logger.info("CUDA graphs: captured bs up to %d in %.1fs", cuda_graph_max_bs, time.monotonic() - t1)
+        if synthetic_forward:
+            logger.warning("synthetic forward: the model is not run; every step emits fixed pseudo-random tokens "
+                           "(for benchmarks of the services, never for serving)")
         logger.info("model runner ready in %.1fs", time.monotonic() - t0)
 
     # ---- setup ----
@@ -222,9 +228,24 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] float32 of each request's last new token (with batch.logit_rows: of each
         request's last logit_rows[b] new tokens, [sum(logit_rows), V])."""
+        if self.synthetic_forward:
+            return self.synthetic_logits(batch)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
             return self.cuda_graph_runner.replay(batch)
         return self.forward_eager(batch)
+
+    def synthetic_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [R, V] float32 (R as `forward`) that put all the mass on `synthetic_tokens` of each
+        logit row: greedy and sampled requests alike get those tokens, so a run is repeatable."""
+        if batch.mode == ForwardMode.DECODE:
+            ids, pos = batch.input_ids, batch.positions  # [B]
+        else:
+            index = _logit_index(batch.extend_lens, batch.logit_rows, self.device)
+            ids = batch.input_ids if index is None else batch.input_ids.index_select(0, index)  # [R]
+            pos = batch.positions if index is None else batch.positions.index_select(0, index)
+        logits = torch.full((ids.shape[0], self.vocab_size), -1e4, dtype=torch.float32, device=self.device)
+        logits.scatter_(1, synthetic_tokens(ids, pos, self.vocab_size, self.eos_token_ids).unsqueeze(1), 0.0)
+        return logits
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
@@ -264,6 +285,23 @@ class ModelRunner:
         finally:
             self.token_to_kv_pool.free(slots)
             self.req_to_token_pool.free(row)
+
+
+# Synthetic tokens avoid the low ids, where tokenizers keep their special and byte tokens.
+SYNTHETIC_LOW_ID = 256
+
+
+def synthetic_tokens(ids: torch.Tensor, positions: torch.Tensor, vocab_size: int,
+                     eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """[R] int64 next tokens as a fixed function of (last token, its position): ordinary vocabulary
+    (never EOS, never the low ids), different from step to step, the same on every run."""
+    low = min(SYNTHETIC_LOW_ID, vocab_size // 2)
+    span = vocab_size - low
+    mixed = (ids * 7919 + positions * 104729) % 2147483647
+    out = (mixed * 48271) % 2147483647 % span + low  # [R]; one Lehmer (MINSTD) step spreads it out
+    for eos in eos_token_ids:
+        out = torch.where(out == eos, low + (out + 1 - low) % span, out)
+    return out
 
 
 def _logit_index(extend_lens: list[int], logit_rows: list[int] | None, device: torch.device) -> torch.Tensor | None:
