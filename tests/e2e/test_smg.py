@@ -1,9 +1,10 @@
-"""SGLang's gateway (smg 1.13, PyPI) in front of our real scheduler, which serves SGLang's scheduler
-protocol on --sglang-grpc-port beside its own service: the openai client through smg (chat and
-completions, streaming and not, n = 2, logprobs, a stop token, a JSON schema), a client disconnect,
-and the protocol's RPCs directly. One stack (launcher, tiny model) and one smg for the module; our
-own gateway runs on the same scheduler, so greedy output through both front ends is compared for the
-same prompt token ids.
+"""SGLang's gateway (smg 1.13, PyPI) in front of the real scheduler, which serves SGLang's scheduler
+protocol on --sglang-grpc-port: the openai client through smg (chat and completions, streaming and
+not, n = 2, logprobs, a stop token, a JSON schema), a client disconnect, and the protocol's RPCs
+directly. One scheduler (tiny model, no detokenizer: smg detokenizes) and one smg for the module.
+Greedy output through smg is compared with the protocol's own Generate for the same prompt ids (which
+equals the in-process engine's: tests/scheduler/test_scheduler_service.py), and with what
+ringserve's tokenizer would send for the same chat.
 """
 
 from __future__ import annotations
@@ -23,16 +24,15 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as sglang_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sglang_grpc
 
 from bench.smg_server import model_id, smg_binary, smg_cmd, wait_ready
-from ringserve.process import ServiceProcess, free_port
+from ringserve.process import ServiceProcess, free_port, python_cmd
 from ringserve.text_tokenizer import TextTokenizer
-from tests.e2e.stack import Stack, running_stack
 
 pytestmark = pytest.mark.e2e
 
 
 @dataclass
 class Front:
-    stack: Stack
+    scheduler: ServiceProcess
     url: str               # smg's HTTP
     model: str             # the model name smg serves
     worker: str            # the scheduler's SGLang-protocol HOST:PORT
@@ -49,16 +49,31 @@ class Front:
 def front(model_dir: str) -> Iterator[Front]:
     if smg_binary() is None:
         pytest.skip("smg is not installed (requirements-dev.txt: smg==1.13.0)")
-    port = free_port()
-    with running_stack(model_dir, "--scheduler-args", f"--sglang-grpc-port {port}") as stack:
-        http_port = free_port()
-        proc = ServiceProcess("smg", smg_cmd([f"127.0.0.1:{port}"], model_dir, http_port)).start()
+    own, port, http_port = free_port(), free_port(), free_port()
+    scheduler = ServiceProcess("scheduler", python_cmd(
+        "services.scheduler", "--model", model_dir, "--port", str(own), "--metrics-port", "-1",
+        "--detokenizer", "", "--sglang-grpc-port", str(port), "--max-total-tokens", "4096",
+        "--grace-period-s", "2"), env={"RINGSERVE_LOG_LEVEL": "INFO"}).start()
+    smg: ServiceProcess | None = None
+    try:
+        # Without a detokenizer both ports are SERVING once the model is warm.
+        scheduler.wait_serving(f"127.0.0.1:{own}", timeout=180)
+        scheduler.wait_serving(f"127.0.0.1:{port}", timeout=10)
         url = f"http://127.0.0.1:{http_port}"
-        try:
-            wait_ready(proc, url, timeout=60)
-            yield Front(stack, url, model_id(url), f"127.0.0.1:{port}", proc)
-        finally:
-            proc.stop()
+        smg = ServiceProcess("smg", smg_cmd([f"127.0.0.1:{port}"], model_dir, http_port)).start()
+        wait_ready(smg, url, timeout=60)
+        yield Front(scheduler, url, model_id(url), f"127.0.0.1:{port}", smg)
+    finally:
+        if smg is not None:
+            smg.stop()
+        assert scheduler.stop(timeout=20) == 0, scheduler.output()[-3000:]
+
+
+def _greedy(front: Front, ids: list[int], n: int) -> list[int]:
+    """The scheduler's greedy ids through its SGLang port directly, without smg."""
+    req = _request(f"ref-{time.monotonic_ns()}", ids, max_new_tokens=n, ignore_eos=True)
+    (done,) = [m.complete for m in front.stub().Generate(req, timeout=30)]
+    return list(done.output_ids)
 
 
 def _generate(url: str, body: dict) -> dict:
@@ -68,26 +83,36 @@ def _generate(url: str, body: dict) -> dict:
     return out[0] if isinstance(out, list) else out
 
 
-def test_greedy_output_equals_our_gateway_for_the_same_token_ids(front: Front, model_dir: str) -> None:
-    ids = TextTokenizer.from_model(model_dir).encode("The quick brown fox", add_special_tokens=False)
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
-    ours = front.stack.generate(body)
-    theirs = _generate(front.url, {**body, "model": front.model})
-    assert theirs["output_ids"] == ours["output_ids"]
-    assert theirs["text"] == ours["text"]
-    assert theirs["meta_info"]["prompt_tokens"] == ours["meta_info"]["prompt_tokens"] == len(ids)
-
-
-def test_completions_without_bos(front: Front, model_dir: str) -> None:
-    """smg sends a completions prompt without the BOS our tokenizer adds: its output is ours for the
-    prompt's ids without BOS."""
+def test_greedy_output_equals_the_scheduler_s_for_the_same_token_ids(front: Front, model_dir: str) -> None:
     tok = TextTokenizer.from_model(model_dir)
-    r = front.client().completions.create(model=front.model, prompt="hello", max_tokens=8, temperature=0)
-    assert r.usage.prompt_tokens == len(tok.encode("hello", add_special_tokens=False))
-    ours = front.stack.generate({"input_ids": tok.encode("hello", add_special_tokens=False),
-                                 "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
-    assert r.choices[0].text == ours["text"]
-    assert r.choices[0].finish_reason == ours["meta_info"]["finish_reason"]["type"]
+    ids = tok.encode("The quick brown fox", add_special_tokens=False)
+    out = _generate(front.url, {"model": front.model, "input_ids": ids,
+                                "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+    assert out["output_ids"] == _greedy(front, ids, 12)
+    assert out["text"] == tok.decode(out["output_ids"])
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def test_completions_are_sent_without_bos(front: Front, model_dir: str) -> None:
+    """smg sends a completions prompt without the BOS ringserve's tokenizer adds: its output is the
+    scheduler's for the prompt's ids without BOS."""
+    tok = TextTokenizer.from_model(model_dir)
+    ids = tok.encode("hello", add_special_tokens=False)
+    assert tok.encode("hello") != ids, "the tiny model's tokenizer adds a BOS"
+    r = front.client().completions.create(model=front.model, prompt="hello", max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].text == tok.decode(_greedy(front, ids, 8))
+
+
+def test_chat_prompt_is_the_chat_template_as_ringserve_renders_it(front: Front, model_dir: str) -> None:
+    tok = TextTokenizer.from_model(model_dir)
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "what is 2+2?"}]
+    ids = tok.encode_chat([dict(m) for m in msgs])
+    r = front.client().chat.completions.create(model=front.model, messages=msgs, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.content == tok.decode(_greedy(front, ids, 8))
 
 
 def test_chat_streaming_equals_not_streaming(front: Front) -> None:
@@ -168,14 +193,14 @@ def _running(front: Front) -> int:
 def test_client_disconnect_empties_the_running_batch(front: Front) -> None:
     body = {"model": front.model, "prompt": "stream on", "max_tokens": 100000, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    mark = front.stack.launcher.lines_seen
+    mark = front.scheduler.lines_seen
     with httpx.stream("POST", f"{front.url}/v1/completions", json=body, timeout=60) as r:
         for n, _line in enumerate(r.iter_lines()):
             if n >= 3:
                 break  # leave with the request running
     # smg sends Abort("Stream dropped"), which ends the call; the engine frees the request at its next
     # step, and the load it reports follows at the end of that step.
-    front.stack.launcher.wait_output("aborted by the client: Stream dropped", timeout=15, after=mark)
+    front.scheduler.wait_output("aborted by the client: Stream dropped", timeout=15, after=mark)
     deadline = time.monotonic() + 5
     while _running(front) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -179,3 +179,116 @@ def test_config_needs_somewhere_for_outputs() -> None:
     assert SchedulerServerConfig(detokenizer="", sglang_grpc_port=0).sglang_grpc_port == 0
     with pytest.raises(ValueError, match="sglang_grpc_port"):
         SchedulerServerConfig(sglang_grpc_port=70000)
+
+
+# -- the servicer's Generate / Abort with a fake engine ------------------------------------------------
+
+class FakeRunner:
+    vocab_size = 1000
+
+
+class FakeEngine:
+    """What the servicer uses of the Engine: submit (refusing after `capacity`), abort; the test plays
+    the engine thread by routing deltas itself."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.runner = FakeRunner()
+        self.max_prompt_tokens = 63
+        self.capacity = capacity
+        self.submitted: list = []
+        self.aborted: list[str] = []
+
+    def submit(self, req) -> None:
+        from services.scheduler.core.inbox import QueueFull
+
+        if len(self.submitted) >= self.capacity:
+            raise QueueFull("queue full")
+        self.submitted.append(req)
+
+    def abort(self, rids: list[str]) -> None:
+        self.aborted += rids
+
+
+def _servicer(engine: FakeEngine):
+    from services.scheduler.config import SchedulerServerConfig
+    from services.scheduler.rpc.sglang_servicer import SglangServicer
+
+    router = OutputRouter()
+    cfg = SchedulerServerConfig(detokenizer="", sglang_grpc_port=0)
+    return SglangServicer(lambda: engine, router, cfg, info=lambda: None, last_step=lambda: 0.0), router  # type: ignore[arg-type, return-value]
+
+
+async def _until(pred, loop_turns: int = 100) -> None:
+    for _ in range(loop_turns):
+        if pred():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+async def test_a_full_queue_is_resource_exhausted_and_the_samples_already_in_are_aborted() -> None:
+    from services.scheduler.core.inbox import QueueFull
+
+    engine = FakeEngine(capacity=1)
+    servicer, router = _servicer(engine)
+    gen = servicer.Generate(_req(sampling_params=_sp(n=2, temperature=1.0)), None)
+    with pytest.raises(QueueFull):
+        await anext(gen)
+    assert engine.aborted == [engine.submitted[0].rid] and len(router) == 0
+
+
+async def test_generate_streams_then_completes_each_sample() -> None:
+    engine = FakeEngine()
+    servicer, router = _servicer(engine)
+    gen = servicer.Generate(_req(sampling_params=_sp(n=2, temperature=1.0), stream=True), None)
+    first = asyncio.ensure_future(anext(gen))
+    await _until(lambda: len(engine.submitted) == 2)
+    r0, r1 = (r.rid for r in engine.submitted)
+    router.route(StepBatch([TokenDelta(rid=r0, ids=[4]), TokenDelta(rid=r1, ids=[5], finish=Finish("length"))]))
+    out = [await first]
+    router.route(StepBatch([TokenDelta(rid=r0, ids=[6], offset=1, finish=Finish("stop", matched_token=6))]))
+    out += [m async for m in gen]
+    kinds = [(m.WhichOneof("response"), getattr(m, m.WhichOneof("response")).index) for m in out]
+    assert kinds == [("chunk", 0), ("chunk", 1), ("complete", 1), ("chunk", 0), ("complete", 0)]
+    assert out[-1].complete.matched_token_id == 6 and out[-1].complete.completion_tokens == 2
+    assert engine.aborted == [] and len(router) == 0
+
+
+async def test_abort_ends_the_call_and_a_dropped_call_aborts_its_requests() -> None:
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as sg
+
+    engine = FakeEngine()
+    servicer, router = _servicer(engine)
+    gen = servicer.Generate(_req(request_id="a", stream=True), None)
+    nxt = asyncio.ensure_future(anext(gen))
+    await _until(lambda: len(engine.submitted) == 1)
+    resp = await servicer.Abort(sg.AbortRequest(request_id="a", reason="Stream dropped"), None)
+    assert resp.success
+    done = await nxt
+    assert done.complete.finish_reason == "abort"
+    assert [m async for m in gen] == [] and engine.aborted == [engine.submitted[0].rid]
+    # A call that goes away (client cancel) aborts what it submitted.
+    gen2 = servicer.Generate(_req(request_id="b", stream=True), None)
+    nxt2 = asyncio.ensure_future(anext(gen2))
+    await _until(lambda: len(engine.submitted) == 2)
+    nxt2.cancel()
+    await asyncio.gather(nxt2, return_exceptions=True)
+    await gen2.aclose()
+    assert engine.aborted[-1] == engine.submitted[1].rid and len(router) == 0
+
+
+async def test_an_abort_with_a_status_ends_the_call_with_it() -> None:
+    import grpc
+
+    from ringserve.errors import ServiceError
+
+    engine = FakeEngine()
+    servicer, router = _servicer(engine)
+    gen = servicer.Generate(_req(sampling_params=_sp(regex="(")), None)
+    nxt = asyncio.ensure_future(anext(gen))
+    await _until(lambda: len(engine.submitted) == 1)
+    f = Finish.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.regex: does not compile")
+    router.route(StepBatch([TokenDelta(rid=engine.submitted[0].rid, ids=[], finish=f)]))
+    with pytest.raises(ServiceError) as e:
+        await nxt
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith("sampling_params.regex")
