@@ -101,7 +101,12 @@ class SchedulerServerConfig(EngineConfig, TlsConfig):
     host: str = field(default="127.0.0.1", metadata=_h("gRPC bind address"))
     port: int = field(default=50052, metadata=_h("gRPC port"))
     metrics_port: int = field(default=9092, metadata=_h("Prometheus /metrics port; -1 disables"))
-    detokenizer: str = field(default="127.0.0.1:50053", metadata=_h("detokenizer HOST:PORT to push to"))
+    detokenizer: str = field(default="127.0.0.1:50053", metadata=_h(
+        "detokenizer HOST:PORT to push to; empty: none (a scheduler driven only through "
+        "--sglang-grpc-port, whose client detokenizes, is SERVING without one)"))
+    sglang_grpc_port: int | None = field(default=None, metadata=_h(
+        "also serve SGLang's scheduler protocol (sglang.grpc.scheduler.SglangScheduler, what SGLang's "
+        "gateway smg drives; SGLang's own --grpc-mode) on this port; unset: off"))
     scheduler_id: str = field(default="", metadata=_h("id sent to the detokenizer (default: host-pid)"))
     grace_period_s: float = field(default=30.0, metadata=_h("on SIGTERM, time given to running requests"))
     load_report_interval_s: float = field(default=0.5, metadata=_h("LoadReport period on Connect streams"))
@@ -109,6 +114,10 @@ class SchedulerServerConfig(EngineConfig, TlsConfig):
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
         TlsConfig.__post_init__(self)
+        if self.sglang_grpc_port is not None and not 0 <= self.sglang_grpc_port <= 65535:
+            raise ValueError(f"sglang_grpc_port: {self.sglang_grpc_port} is not a port")
+        if not self.detokenizer and self.sglang_grpc_port is None:
+            raise ValueError("detokenizer: empty only with --sglang-grpc-port (outputs must go somewhere)")
 
     @property
     def engine(self) -> EngineConfig:
