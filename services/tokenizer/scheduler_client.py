@@ -46,6 +46,8 @@ class SchedulerConnection:
         self.load = Load()
         self.weight_version = "default"  # from GetSchedulerInfo on connect, then each weight update
         self.paused = ""  # the pause mode while paused (GetSchedulerInfo on connect, then PauseGeneration)
+        self.attention_backend = ""  # GetSchedulerInfo on connect: reported in server info
+        self.cuda_graph = False
         # Told the scheduler's LoRA adapters on every connect (the tokenizer's registry syncs: lora.py).
         self.on_lora_info: Callable[[SchedulerConnection, list[LoraAdapter]], None] | None = None
         self.channel = client_channel(address)
@@ -157,6 +159,7 @@ class SchedulerConnection:
                         e.code().name)
             return
         self.weight_version, self.paused = info.weight_version or "default", info.paused
+        self.attention_backend, self.cuda_graph = info.attention_backend, info.cuda_graph
         if self.on_lora_info is not None:
             self.on_lora_info(self, [LoraAdapter.from_pb(a) for a in info.lora_adapters])
 
@@ -219,7 +222,8 @@ class SchedulerPool:
         return conn.weight_version if conn is not None else "default"
 
     def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
-        return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0)) for a, c in self.conns.items()]
+        return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0), c.attention_backend, c.cuda_graph)
+                for a, c in self.conns.items()]
 
     async def send(self, address: str, reqs: list[TokenizedReq]) -> None:
         conn = self.conns.get(address)

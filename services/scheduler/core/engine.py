@@ -81,7 +81,8 @@ class Engine:
             disable_cuda_graph=cfg.disable_cuda_graph, num_threads=cfg.num_threads, decode_threads=cfg.decode_threads,
             cpu_kernels=not cfg.disable_cpu_kernels, kernel_cache=cfg.kernel_cache,
             decode_cache_bytes=None if cfg.decode_cache_mib is None else cfg.decode_cache_mib << 20,
-            other_bounds=grammar_bound,
+            attention_backend=cfg.attention_backend, other_bounds=grammar_bound,
+            synthetic_forward=cfg.synthetic_forward,
             lora=settings_for(cfg.lora_enabled, cfg.lora_paths, cfg.max_loras_per_batch, cfg.max_lora_rank,
                               cfg.lora_target_modules, cfg.max_loaded_loras))
         self.lora = self.runner.lora
