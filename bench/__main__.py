@@ -2,7 +2,7 @@
 
     python -m bench [--quick] [--targets gateway,native,grpc,engine,vllm,transformers]
                     [--models tiny,100m,smollm2-135m-instruct] [--workloads A,B,C,D]
-                    [--repeats N] [--stream-interval N] [--out DIR]
+                    [--repeats N] [--stream-interval N] [--lora N] [--out DIR]
 
 Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
 Writes DIR/results.json, DIR/results.md (the table) and PNG plots; prints the table at the end.
@@ -40,11 +40,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="runs per workload on each server; the table shows the median run (default 3)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="both servers stream every N tokens (their --stream-interval; default 1)")
+    ap.add_argument("--lora", type=int, default=0,
+                    help="serve N random LoRA adapters, every request on one of them in turn (gateway and "
+                         "native targets only; default 0: none)")
     args = ap.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     bad = [t for t in args.targets if t not in TARGETS]
     if bad:
         ap.error(f"unknown targets {bad}; choose from {TARGETS}")
+    if args.lora < 0:
+        ap.error("--lora: must be >= 0")
+    if args.lora and set(args.targets) - {"gateway", "native"}:
+        ap.error("--lora: only the gateway and native targets send adapters; add --targets gateway,native")
     return args
 
 
@@ -60,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "repeats": args.repeats,
             "stream_interval": args.stream_interval,
+            "lora_adapters": args.lora,
             "targets": {t: DESCRIPTIONS[t] for t in args.targets},
             "workloads": [w.__dict__ | {"request_rate": str(w.request_rate)} for w in wls]}
     results: list[RunResult] = []
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             "(each run's load average is in results.json)")
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model = resolve(name)
-        run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval, args.repeats)
+        run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval, args.repeats, args.lora)
     report.write(out, results, meta)
     made = plots.all_plots(results, out)
     print("\n" + report.markdown(results) + "\n", flush=True)

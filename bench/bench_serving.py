@@ -47,9 +47,11 @@ def client_python() -> Path:
 
 def run(w: Workload, base_url: str, model_dir: Path, served_name: str, out_dir: Path,
         backend: str = "vllm", timeout: float = 1800, warmup: bool = True,
-        extra_body: dict | None = None) -> tuple[list[RequestRecord], float, dict]:
+        extra_body: dict | None = None,
+        lora_names: list[str] | None = None) -> tuple[list[RequestRecord], float, dict]:
     """One bench_serving run (with its one warm-up request unless `warmup` is False); returns
-    (records, duration_s, bench_serving's own summary). `extra_body` is merged into each request."""
+    (records, duration_s, bench_serving's own summary). `extra_body` is merged into each request;
+    lora_names: each request on the next one."""
     script, py = fetch_script(), client_python()
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"bench_serving-{w.name}-{int(time.time() * 1000)}.jsonl"
@@ -59,6 +61,8 @@ def run(w: Workload, base_url: str, model_dir: Path, served_name: str, out_dir: 
            "--warmup-requests", "1" if warmup else "0"]
     if extra_body:
         cmd += ["--extra-request-body", json.dumps(extra_body)]
+    if lora_names:
+        cmd += ["--lora-name", *lora_names, "--lora-request-distribution", "distinct"]
     if backend == "sglang" and w.dataset == "random-ids":
         # Send token ids, as the gRPC target does: the same prompt lengths, so the two measure the
         # gateway's overhead on the same work (text prompts re-tokenize to ~20% more tokens here).

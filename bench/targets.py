@@ -114,15 +114,19 @@ def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str,
 
 
 def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit,
-                  stream_interval: int = 1, repeats: int = 1) -> None:
+                  stream_interval: int = 1, repeats: int = 1, lora: int = 0) -> None:
+    from bench.lora import make_adapters
     from bench.ringserve_server import start_ringserve
 
+    adapters = make_adapters(model, lora, out / "lora") if lora else []
+    names = [n for n, _ in adapters] or None
+    lora_flags = ["--lora-paths", *(f"{n}={p}" for n, p in adapters)] if adapters else []
     sched_args = f"--stream-interval {stream_interval}"
     sglang_port = free_port()
     if "smg" in targets:
         sched_args += f" --sglang-grpc-port {sglang_port}"  # smg's worker: the same scheduler
     try:
-        rs = start_ringserve(model, extra=["--scheduler-args", sched_args])
+        rs = start_ringserve(model, extra=["--scheduler-args", sched_args, *lora_flags])
     except Exception as e:
         _fail_all(targets, model, wls, "failed", f"ringserve did not start: {str(e)[-1200:]}", emit)
         return
@@ -132,11 +136,13 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
         for w in wls:
             if "gateway" in targets:
                 _measure("gateway", model, w, lambda wr, warm: bench_serving.run(
-                    wr, rs.gateway_url, model, model.name, out / "raw", warmup=warm)[:2], emit, repeats, profile)
+                    wr, rs.gateway_url, model, model.name, out / "raw", warmup=warm, lora_names=names)[:2],
+                    emit, repeats, profile, lora_adapters=lora)
             if "native" in targets:
                 _measure("native", model, w, lambda wr, warm: bench_serving.run(
-                    wr, rs.gateway_url, model, model.name, out / "raw", backend="sglang", warmup=warm)[:2],
-                    emit, repeats, profile, token_id_prompts=w.dataset == "random-ids")
+                    wr, rs.gateway_url, model, model.name, out / "raw", backend="sglang", warmup=warm,
+                    lora_names=names)[:2],
+                    emit, repeats, profile, token_id_prompts=w.dataset == "random-ids", lora_adapters=lora)
             if "grpc" in targets:
                 _measure("grpc", model, w, lambda wr, warm: grpc_client.run(wr, rs.grpc_target, model, warm), emit,
                          repeats, profile)
@@ -261,13 +267,13 @@ def parse_scheduler_bench(text: str) -> dict[str, dict[str, float]]:
 
 
 def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit,
-              stream_interval: int = 1, repeats: int = 1) -> None:
+              stream_interval: int = 1, repeats: int = 1, lora: int = 0) -> None:
     """Every selected target on one model, one server at a time (they would compete for 2 cores).
     Both servers stream every `stream_interval` tokens (--stream-interval on each); the served
     targets run each workload `repeats` times and report the median run."""
     groups: list[tuple[list[str], Callable[[], None]]] = [
         (list(RINGSERVE_TARGETS), lambda: run_ringserve([t for t in targets if t in RINGSERVE_TARGETS],
-                                                        model, wls, out, emit, stream_interval, repeats)),
+                                                        model, wls, out, emit, stream_interval, repeats, lora)),
         (["engine"], lambda: run_engine(model, wls, quick, out, emit)),
         (["vllm"], lambda: run_vllm(model, wls, out, emit, stream_interval, repeats)),
         (["transformers"], lambda: run_transformers(model, wls, out, emit)),

@@ -123,8 +123,8 @@ class Backend:
 
     async def control(self, method: str, req: object, timeout: float = CONTROL_TIMEOUT_S) -> object:
         """An operation RPC (abort all, pause, continue, weight update, profiling, load)."""
-        if method == "UpdateWeightsFromDisk":
-            self._model_info = None  # weight_version changes
+        if method in ("UpdateWeightsFromDisk", "LoadLoraAdapter", "UnloadLoraAdapter"):
+            self._model_info = None  # weight_version / the adapters (models) change
         return await self._unary(method, req, timeout)
 
     async def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -30,6 +30,8 @@ class GenerateReqInput(ApiRequest):
     rid: str | list[str] | None = None
     return_timings: bool = False
     model: str | None = None
+    # A loaded LoRA adapter's name (SGLang's field: one for all prompts, or one per prompt; None: base).
+    lora_path: str | list[str | None] | None = None
 
 
 class AbortReq(ApiRequest):
@@ -73,3 +75,19 @@ class ProfileReqInput(ApiRequest):
     start_step: Literal[None] = None
     profile_by_stage: Literal[False] = False
     merge_profiles: Literal[False] = False
+
+
+class LoadLoRAAdapterReqInput(ApiRequest):
+    """POST /load_lora_adapter (SGLang) and /v1/load_lora_adapter (vLLM)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnLoadLoRAAdapterReqInput(ApiRequest):
+    """POST /unload_lora_adapter (SGLang) and /v1/unload_lora_adapter (vLLM; lora_int_id is ignored:
+    adapters are named)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -65,6 +65,7 @@ def _items(body: GenerateReqInput) -> tuple[list[_Item], bool]:
         req = pb.GenerateRequest(
             rid=rid, stream=body.stream, top_logprobs_num=top_n, return_timings=body.return_timings,
             return_logprob=bool(_pick(body.return_logprob, i, len(prompts), "return_logprob")),
+            lora_path=_pick(body.lora_path, i, len(prompts), "lora_path") or "",
             sampling_params=sampling_from_native(_pick(body.sampling_params, i, len(prompts), "sampling_params")))
         start = int(_pick(body.logprob_start_len, i, len(prompts), "logprob_start_len"))
         if req.return_logprob and start != -1:
@@ -129,9 +130,11 @@ async def generate(body: GenerateReqInput, request: Request) -> Any:
     for sp in sps:
         if sp is not None:
             sp.check_fields()
-    if body.model:
-        await state.check_model(body.model)
+    model = await state.check_model(body.model) if body.model else ""
     items, is_batch = _items(body)
+    for it in items:
+        if not it.req.lora_path and model:
+            it.req.lora_path = await state.lora_of(model, None)  # the model named an adapter (vLLM's way)
     indexed = is_batch or any(_n(it) > 1 for it in items)
     for it in items:
         log.info("rid=%s generate stream=%s", it.req.rid, body.stream)

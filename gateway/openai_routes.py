@@ -73,7 +73,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     for i, prompt in enumerate(prompts):
         req = pb.GenerateRequest(rid=rid if len(prompts) == 1 else f"{rid}-p{i}", sampling_params=sp,
                                  stream=body.stream, return_logprob=body.logprobs is not None,
-                                 top_logprobs_num=body.logprobs or 0)
+                                 top_logprobs_num=body.logprobs or 0,
+                                 lora_path=await state.lora_of(model, body.lora_path))
         if body.echo and body.logprobs is not None:
             req.logprob_start_len = 0  # echoed prompt tokens get logprobs too (lm-eval's loglikelihood)
         set_prompt(req, prompt)
@@ -100,26 +101,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if top and not body.logprobs:
         raise GatewayError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
     req = pb.GenerateRequest(rid=rid, chat=chat_input(body), sampling_params=sampling_from_openai(body, max_tokens),
-                             stream=body.stream, return_logprob=body.logprobs, top_logprobs_num=top)
+                             stream=body.stream, return_logprob=body.logprobs, top_logprobs_num=top,
+                             lora_path=await state.lora_of(model, body.lora_path))
     spec = RenderSpec(rid=rid, model=model, n=body.n, chat=True, param_map=openai_param_map(CHAT_PARAMS, body),
                       logprobs=body.logprobs,
                       include_usage=bool(body.stream_options and body.stream_options.include_usage))
     return await _run(request, state, spec, [req], body.stream)
 
 
-async def _card(state: GatewayState) -> ModelCard:
+async def _cards(state: GatewayState) -> list[ModelCard]:
+    """The served model, then each loaded LoRA adapter (vLLM lists them, parent: the base model)."""
     name = await state.served_name()
-    info = await state.backend.model_info()
-    return ModelCard(id=name, root=info.model_path, max_model_len=info.max_context_length or None)
+    info = await state.backend.fresh_model_info()
+    length = info.max_context_length or None
+    return [ModelCard(id=name, root=info.model_path, max_model_len=length),
+            *(ModelCard(id=a.name, root=a.path, parent=name, max_model_len=length) for a in info.lora_adapters)]
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[await _card(get_state(request))])
+    return ModelList(data=await _cards(get_state(request)))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
 async def get_model(model_id: str, request: Request) -> ModelCard:
     state = get_state(request)
-    await state.check_model(model_id)
-    return await _card(state)
+    name = await state.check_model(model_id)
+    return next(c for c in await _cards(state) if c.id == name)

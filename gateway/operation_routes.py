@@ -1,7 +1,9 @@
 """SGLang-native operation routes: /abort_request (one rid or abort_all), /pause_generation,
-/continue_generation, /update_weights_from_disk, /start_profile, /stop_profile, /get_load. Shapes
-follow SGLang's http_server so RL trainers (verl, slime, OpenRLHF) drive this server unchanged; each
-is one InferenceService RPC with a deadline, and, like every route, behind the API key when one is set."""
+/continue_generation, /update_weights_from_disk, /start_profile, /stop_profile, /get_load,
+/load_lora_adapter, /unload_lora_adapter (and vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter).
+Shapes follow SGLang's http_server (and vLLM's for its two) so RL trainers (verl, slime, OpenRLHF)
+and vLLM's clients drive this server unchanged; each is one InferenceService RPC with a deadline, and,
+like every route, behind the API key when one is set."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from gateway.errors import GatewayError
 from gateway.native_protocol import (
     AbortReq,
     ContinueGenerationReqInput,
+    LoadLoRAAdapterReqInput,
     PauseGenerationReqInput,
     ProfileReqInput,
+    UnLoadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
 )
 from gateway.openai_routes import ERRORS
@@ -120,3 +124,56 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
              "address": ld.address, "connected": ld.connected} for i, ld in enumerate(resp.loads)]
 
 
+
+
+# -- LoRA adapters: every scheduler loads them; requests pick one by lora_path or by model ----------
+
+LORA_TIMEOUT_S = 900.0  # an unload waits for the requests using the adapter (the tokenizer's default: 600 s)
+
+
+async def _load_lora(body: LoadLoRAAdapterReqInput, request: Request) -> dict[str, str]:
+    body.check_fields()
+    req = pb.LoadLoraAdapterRequest(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
+    resp = await get_state(request).backend.control("LoadLoraAdapter", req, LORA_TIMEOUT_S)
+    assert isinstance(resp, pb.LoadLoraAdapterResponse)
+    log.info("lora adapter %s loaded from %s", body.lora_name, body.lora_path)
+    return {a.name: a.path for a in resp.loaded_adapters}
+
+
+async def _unload_lora(body: UnLoadLoRAAdapterReqInput, request: Request) -> dict[str, str]:
+    body.check_fields()
+    resp = await get_state(request).backend.control(
+        "UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(lora_name=body.lora_name), LORA_TIMEOUT_S)
+    assert isinstance(resp, pb.UnloadLoraAdapterResponse)
+    log.info("lora adapter %s unloaded", body.lora_name)
+    return {a.name: a.path for a in resp.loaded_adapters}
+
+
+@router.post("/load_lora_adapter", responses=ERRORS)
+async def load_lora_adapter(body: LoadLoRAAdapterReqInput, request: Request) -> JSONResponse:
+    """Load a PEFT adapter directory (as the schedulers see it) under lora_name on every scheduler;
+    requests then pick it by lora_path (or by model). 400 naming what is wrong with it, 409 when the
+    name is taken."""
+    loaded = await _load_lora(body, request)
+    return JSONResponse({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+
+@router.post("/unload_lora_adapter", responses=ERRORS)
+async def unload_lora_adapter(body: UnLoadLoRAAdapterReqInput, request: Request) -> JSONResponse:
+    """New requests naming it get 404 at once; the call returns once the requests already using it
+    have finished and every scheduler has freed it (504 when they run past the deadline)."""
+    loaded = await _unload_lora(body, request)
+    return JSONResponse({"success": True, "error_message": None, "loaded_adapters": loaded})
+
+
+@router.post("/v1/load_lora_adapter", responses=ERRORS)
+async def v1_load_lora_adapter(body: LoadLoRAAdapterReqInput, request: Request) -> PlainTextResponse:
+    """vLLM's route and reply; the adapter then appears in /v1/models (parent: the base model)."""
+    await _load_lora(body, request)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter", responses=ERRORS)
+async def v1_unload_lora_adapter(body: UnLoadLoRAAdapterReqInput, request: Request) -> PlainTextResponse:
+    await _unload_lora(body, request)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -34,7 +34,8 @@ class _Request(BaseModel):
 
 # Fields of the OpenAI, SGLang or vLLM APIs that change the output and are not implemented here,
 # with the values that ask for nothing (sent by clients that fill every field): any other value is
-# a 400 naming the field, never a silent 200.
+# a 400 naming the field, never a silent 200. A request model that declares one of them (lora_path on
+# the generation requests) implements it; the others still refuse it.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
@@ -149,6 +150,8 @@ class SamplingExtras(SamplingFields):
     response_format: ResponseFormat | None = None
     min_tokens: UInt32 = 0  # vLLM's name for min_new_tokens
     rid: str | None = Field(None, description="Request id (SGLang extra); generated when absent.")
+    lora_path: str | None = Field(None, description="A loaded LoRA adapter's name (SGLang extra); "
+                                                     "or name the adapter as the model (vLLM).")
 
 
 class CompletionRequest(SamplingExtras):
@@ -354,6 +357,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ringserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for the base model
     max_model_len: int | None = None
 
 

@@ -23,13 +23,23 @@ class GatewayState:
         return self.model_name
 
     async def check_model(self, requested: str | None) -> str:
-        """The name to answer with; 404 (OpenAI's model_not_found) for a model we do not serve."""
+        """The name to answer with; 404 (OpenAI's model_not_found) for a model we do not serve. A LoRA
+        adapter's name is a model too (vLLM's way): the answer then names the adapter."""
         name = await self.served_name()
         info = await self.backend.model_info()
         if requested and requested not in (name, info.served_model_name, info.model_path):
+            info = await self.backend.fresh_model_info()  # adapters come and go: ask, not the cache
+            if requested in {a.name for a in info.lora_adapters}:
+                return requested
             raise GatewayError(404, f"The model `{requested}` does not exist.", "not_found_error",
                                param="model", code="model_not_found")
         return name
+
+    async def lora_of(self, model: str, lora_path: str | None) -> str:
+        """The adapter a request runs with: lora_path, else the model when it names an adapter."""
+        if lora_path:
+            return lora_path
+        return "" if model == self.model_name else model
 
 
 def get_state(request: Request) -> GatewayState:

@@ -67,7 +67,8 @@ def parse_config(cls: type[T], argv: list[str] | None = None, description: str |
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "") + f" [env {env_name(f.name)}]"
         if _is_list(tp):
-            parser.add_argument(flag, dest=f.name, action="append", type=_scalar_type(tp), help=help_text)
+            # SGLang's form (--lora-paths a=x b=y) and the repeated one (--scheduler a --scheduler b) alike.
+            parser.add_argument(flag, dest=f.name, action="extend", nargs="+", type=_scalar_type(tp), help=help_text)
         elif _scalar_type(tp) is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:

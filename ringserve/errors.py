@@ -56,6 +56,10 @@ class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 _STATUS_BY_CODE = {s.value[0]: s for s in grpc.StatusCode}
 
 

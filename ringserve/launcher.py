@@ -62,6 +62,14 @@ class LauncherConfig:
     chat_template: str = field(default="", metadata={"help": "the tokenizer's --chat-template (a file or the text)"})
     tool_call_parser: str = field(default="", metadata={"help": "the tokenizer's --tool-call-parser"})
     reasoning_parser: str = field(default="", metadata={"help": "the tokenizer's --reasoning-parser"})
+    # SGLang's launch_server takes the LoRA flags at the top level; here they are the scheduler's.
+    lora_paths: tuple[str, ...] = field(default=(), metadata={"help": (
+        "LoRA adapters (PEFT directories) to serve from the start, each NAME=PATH (the scheduler's)")})
+    enable_lora: bool = field(default=False, metadata={"help": "serve adapters loaded at run time (the scheduler's)"})
+    max_loras_per_batch: int | None = field(default=None, metadata={"help": "the scheduler's --max-loras-per-batch"})
+    max_lora_rank: int | None = field(default=None, metadata={"help": "the scheduler's --max-lora-rank"})
+    lora_target_modules: tuple[str, ...] = field(default=(), metadata={"help": (
+        "the scheduler's --lora-target-modules")})
     scheduler_args: str = field(default="", metadata={"help": "extra flags for the scheduler"})
     tokenizer_args: str = field(default="", metadata={"help": "extra flags for the tokenizer"})
     detokenizer_args: str = field(default="", metadata={"help": "extra flags for the detokenizer"})
@@ -99,13 +107,19 @@ def service_commands(cfg: LauncherConfig, layout: CpuLayout | None = None
     passed = (("--chat-template", cfg.chat_template), ("--tool-call-parser", cfg.tool_call_parser),
               ("--reasoning-parser", cfg.reasoning_parser))
     chat = [arg for flag, value in passed if value for arg in (flag, value)]
+    lora = ([*(["--lora-paths", *cfg.lora_paths] if cfg.lora_paths else []),
+             *(["--enable-lora"] if cfg.enable_lora else []),
+             *(["--lora-target-modules", *cfg.lora_target_modules] if cfg.lora_target_modules else [])]
+            + [arg for flag, value in (("--max-loras-per-batch", cfg.max_loras_per_batch),
+                                       ("--max-lora-rank", cfg.max_lora_rank))
+               if value is not None for arg in (flag, str(value))])
     return [
         ("detokenizer", python_cmd("services.detokenizer", "--host", h, "--port", str(cfg.detokenizer_port),
                                    "--metrics-port", str(cfg.detokenizer_metrics_port), *m,
                                    *shlex.split(cfg.detokenizer_args)), detok),
         ("scheduler", python_cmd("services.scheduler", "--host", h, "--port", str(cfg.scheduler_port),
                                  "--metrics-port", str(cfg.scheduler_metrics_port), *m,
-                                 "--detokenizer", detok, *threads, *shlex.split(cfg.scheduler_args)), sched),
+                                 "--detokenizer", detok, *threads, *lora, *shlex.split(cfg.scheduler_args)), sched),
         ("tokenizer", python_cmd("services.tokenizer", "--host", h, "--port", str(cfg.tokenizer_port),
                                  "--metrics-port", str(cfg.tokenizer_metrics_port), *m,
                                  "--scheduler", sched, "--detokenizer", detok, *chat,

@@ -15,15 +15,17 @@ the tokenizer (`SamplingParams.resolve`); every later hop reads resolved values.
 | TokenizedReq    | tokenizer -> scheduler                            | scheduler.TokenizedRequest |
 | DecodeParams, TokenDelta, StepBatch | scheduler -> detokenizer      | detokenizer.*              |
 | TextDelta       | detokenizer -> tokenizer                          | detokenizer.TextDelta      |
+| LoraAdapter     | client -> tokenizer -> scheduler; scheduler info  | common.LoraAdapter         |
 """
 
 from ringserve.message.deltas import DecodeParams, StepBatch, TextDelta, TokenDelta
 from ringserve.message.finish import Finish
 from ringserve.message.load import Load
 from ringserve.message.logprob import Logprob
+from ringserve.message.lora import LoraAdapter
 from ringserve.message.request import TokenizedReq
 from ringserve.message.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from ringserve.message.timings import Timings
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DecodeParams", "Finish", "Load", "Logprob", "SamplingParams", "StepBatch",
-           "TextDelta", "Timings", "TokenDelta", "TokenizedReq"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DecodeParams", "Finish", "Load", "Logprob", "LoraAdapter", "SamplingParams",
+           "StepBatch", "TextDelta", "Timings", "TokenDelta", "TokenizedReq"]

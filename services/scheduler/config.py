@@ -62,6 +62,18 @@ class EngineConfig:
     decode_cache_mib: int | None = field(default=None, metadata=_h(
         "CPU decode: MiB for the dense per-request K/V copies (a quarter more for shared prefixes); "
         "beyond it decode gathers from the pool (slower). Default: twice the KV pool, at least 1024"))
+    lora_paths: tuple[str, ...] = field(default=(), metadata=_h(
+        "LoRA adapters (PEFT directories) to load at startup, each NAME=PATH (or PATH, named PATH)"))
+    enable_lora: bool = field(default=False, metadata=_h(
+        "serve LoRA adapters loaded at run time (LoadLoraAdapter); implied by --lora-paths"))
+    max_loras_per_batch: int = field(default=8, metadata=_h(
+        "most distinct LoRA adapters in one batch: the adapter slots reserved at startup"))
+    max_lora_rank: int | None = field(default=None, metadata=_h(
+        "highest LoRA rank the slots hold (default: the largest of --lora-paths, else 16)"))
+    lora_target_modules: tuple[str, ...] = field(default=("all",), metadata=_h(
+        "projections adapters may target, reserved in every slot: all, or of q_proj k_proj v_proj o_proj "
+        "gate_proj up_proj down_proj (qkv_proj, gate_up_proj)"))
+    max_loaded_loras: int = field(default=64, metadata=_h("most LoRA adapters loaded at once (host memory)"))
 
     synthetic_forward: bool = field(default=False, metadata=_h(
         "benchmarking only: skip the model's forward and emit fixed pseudo-random tokens (never EOS), so "
@@ -92,6 +104,15 @@ class EngineConfig:
             raise ValueError("grammar_cache_mib: must be >= 1")
         if self.decode_cache_mib is not None and self.decode_cache_mib < 0:
             raise ValueError("decode_cache_mib: must be >= 0")
+        for name in ("max_loras_per_batch", "max_loaded_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank: must be >= 1")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
 from ringserve import tls
 from ringserve.grpc_server import GrpcService
-from ringserve.message import StepBatch, TokenDelta
+from ringserve.message import LoraAdapter, StepBatch, TokenDelta
 from ringserve.metrics_http import start_metrics_server
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerServerConfig
@@ -61,7 +61,11 @@ class SchedulerServer:
             context_length=e.runner.context_length, schedule_policy=c.schedule_policy,
             max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE, weight_version=e.weight_version,
             paused=e.paused or "", attention_backend=e.runner.attention_backend,
-            cuda_graph=e.runner.cuda_graph_runner is not None and e.runner.cuda_graph_runner.enabled)
+            cuda_graph=e.runner.cuda_graph_runner is not None and e.runner.cuda_graph_runner.enabled,
+            lora_adapters=[LoraAdapter(a.weights.name, a.weights.path, a.pinned).to_pb()
+                           for a in (e.lora.listing() if e.lora is not None else [])],
+            max_loras_per_batch=e.lora.settings.max_loras_per_batch if e.lora is not None else 0,
+            max_lora_rank=e.lora.settings.max_lora_rank if e.lora is not None else 0)
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up

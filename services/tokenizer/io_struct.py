@@ -154,6 +154,7 @@ class GenerateInput:
     return_timings: bool = False
     model: str = ""
     logprob_start_len: int = -1  # with return_logprob: score the prompt from here (-1: no)
+    lora_path: str = ""          # a loaded LoRA adapter's name (SGLang's field name); "": none
 
     @classmethod
     def from_pb(cls, pb: api_pb2.GenerateRequest) -> GenerateInput:
@@ -165,7 +166,8 @@ class GenerateInput:
             sampling=SamplingParams.from_pb(pb.sampling_params), stream=pb.stream,
             return_logprob=pb.return_logprob, top_logprobs_num=pb.top_logprobs_num,
             return_timings=pb.return_timings, model=pb.model,
-            logprob_start_len=pb.logprob_start_len if pb.HasField("logprob_start_len") else -1)
+            logprob_start_len=pb.logprob_start_len if pb.HasField("logprob_start_len") else -1,
+            lora_path=pb.lora_path)
 
 
 @dataclass

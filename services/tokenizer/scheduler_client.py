@@ -19,7 +19,7 @@ import grpc
 
 from ringserve.errors import Unavailable, status_of
 from ringserve.grpc_server import client_channel
-from ringserve.message import Load, TokenizedReq
+from ringserve.message import Load, LoraAdapter, TokenizedReq
 from ringserve.reconnect import reconnect_forever
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -48,6 +48,8 @@ class SchedulerConnection:
         self.paused = ""  # the pause mode while paused (GetSchedulerInfo on connect, then PauseGeneration)
         self.attention_backend = ""  # GetSchedulerInfo on connect: reported in server info
         self.cuda_graph = False
+        # Told the scheduler's LoRA adapters on every connect (the tokenizer's registry syncs: lora.py).
+        self.on_lora_info: Callable[[SchedulerConnection, list[LoraAdapter]], None] | None = None
         self.channel = client_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         # Items carry the session they were queued in: a request queued just before a break was
@@ -158,6 +160,8 @@ class SchedulerConnection:
             return
         self.weight_version, self.paused = info.weight_version or "default", info.paused
         self.attention_backend, self.cuda_graph = info.attention_backend, info.cuda_graph
+        if self.on_lora_info is not None:
+            self.on_lora_info(self, [LoraAdapter.from_pb(a) for a in info.lora_adapters])
 
     async def flush_cache(self) -> tuple[bool, str]:
         try:
@@ -172,12 +176,17 @@ class SchedulerPool:
 
     def __init__(self, addresses: list[str], owner: str, on_rejection: Callable[[str, grpc.StatusCode, str], None],
                  on_down: Callable[[str], None], on_change: Callable[[], None]) -> None:
-        self._new = lambda a: SchedulerConnection(a, owner, on_rejection, on_down, on_change)
+        self._new = lambda a: self._connection(SchedulerConnection(a, owner, on_rejection, on_down, on_change))
+        self.on_lora_info: Callable[[SchedulerConnection, list[LoraAdapter]], None] | None = None
         self.on_change = on_change
         # dns:/// targets get their connections from discovery (set_addresses), not here.
         self.conns = {a: self._new(a) for a in addresses if parse_dns_target(a) is None}
         self._by_target: dict[str, set[str]] = {}
         self._started = False
+
+    def _connection(self, conn: SchedulerConnection) -> SchedulerConnection:
+        conn.on_lora_info = lambda c, adapters: self.on_lora_info(c, adapters) if self.on_lora_info else None
+        return conn
 
     def start(self) -> None:
         self._started = True

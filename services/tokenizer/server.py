@@ -71,10 +71,11 @@ class TokenizerServer:
                             reasoning_parser=cfg.reasoning_parser),
             self.tokenizer, self.schedulers, router, detokenizer_up=self.detokenizers.any_connected,
             weight_version=self.schedulers.weight_version)
+        ops = SchedulerOps(self.schedulers)
+        self.schedulers.on_lora_info = lambda conn, adapters: ops.sync_lora(self.manager.lora, conn, adapters)
         servicer = InferenceServicer(self.manager, self.tokenizer, cfg.model, cfg.served_model_name,
                                      cfg.routing_policy, views=lambda: self.schedulers.views(self.manager.in_flight()),
-                                     detokenizer_connected=self.detokenizers.all_connected,
-                                     ops=SchedulerOps(self.schedulers))
+                                     detokenizer_connected=self.detokenizers.all_connected, ops=ops)
         self.grpc = GrpcService("tokenizer", cfg.address, [SERVICE_NAME],
                                 lambda server: api_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
                                 tls=cfg.tls)

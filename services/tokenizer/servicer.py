@@ -15,6 +15,7 @@ import grpc
 
 from ringserve import __version__
 from ringserve.errors import InvalidArgument, ServiceError, Unavailable
+from ringserve.message import LoraAdapter
 from ringserve.text_tokenizer import ChatTemplateError, TextTokenizer
 from ringserve.v1 import api_pb2, api_pb2_grpc
 
@@ -107,6 +108,19 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
                           context: grpc.aio.ServicerContext) -> api_pb2.StopProfileResponse:
         return api_pb2.StopProfileResponse(trace_files=await self._ops().stop_profile())
 
+    async def LoadLoraAdapter(self, request: api_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> api_pb2.LoadLoraAdapterResponse:
+        adapter = LoraAdapter(request.lora_name, request.lora_path, request.pinned)
+        await self._ops().load_lora(self.manager.lora, adapter, self.served_model_name)
+        return api_pb2.LoadLoraAdapterResponse(loaded_adapters=[a.to_pb() for a in self.manager.lora.listing()])
+
+    async def UnloadLoraAdapter(self, request: api_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> api_pb2.UnloadLoraAdapterResponse:
+        if request.timeout_s < 0:
+            raise InvalidArgument("timeout_s", "must be >= 0")
+        await self._ops().unload_lora(self.manager.lora, request.lora_name, request.timeout_s)
+        return api_pb2.UnloadLoraAdapterResponse(loaded_adapters=[a.to_pb() for a in self.manager.lora.listing()])
+
     async def GetLoad(self, request: api_pb2.InferenceServiceGetLoadRequest,
                       context: grpc.aio.ServicerContext) -> api_pb2.InferenceServiceGetLoadResponse:
         return api_pb2.InferenceServiceGetLoadResponse(loads=[v.to_pb() for v in self.views()])
@@ -118,7 +132,8 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
             model_path=self.model_path, served_model_name=self.served_model_name,
             max_context_length=tok.context_length, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids,
             is_generation=True, has_chat_template=bool(tok.chat_template),
-            weight_version=self.manager.weight_version(next(iter(v.address for v in self.views()), "")))
+            weight_version=self.manager.weight_version(next(iter(v.address for v in self.views()), "")),
+            lora_adapters=[a.to_pb() for a in self.manager.lora.listing()])
 
     async def GetServerInfo(self, request: api_pb2.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> api_pb2.GetServerInfoResponse:

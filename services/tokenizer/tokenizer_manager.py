@@ -26,6 +26,7 @@ from ringserve.errors import AlreadyExists, ResourceExhausted, ServiceError, Una
 from ringserve.message import Load, Logprob, TextDelta, Timings, TokenizedReq
 
 from .io_struct import ChatInput, GenerateInput, GenerateOutput
+from .lora import LoraRegistry
 from .metrics import ModelMetrics
 from .parsers import DEFAULT_TOOL_PARSER, make_reasoning_parser, make_tool_parser
 from .parsers.chat_output import ChatOutput, whole_calls
@@ -63,6 +64,7 @@ class Call:
     pending: list[ReqState]  # not finished yet
     arrived: float
     tokenize_s: float
+    lora: str = ""           # the adapter its samples hold in the registry's use count until release
 
     @property
     def done(self) -> bool:
@@ -93,6 +95,7 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.groups: dict[str, list[ReqState]] = {}  # client rid -> its samples
         self.metrics = ModelMetrics(settings.limits.served_model_name)
+        self.lora = LoraRegistry()  # the adapters requests may name (weights: in the schedulers)
         self.ignored_deltas = 0  # deltas for rids no longer (or never) tracked here
 
     # ---- intake and collection -------------------------------------------------------------
@@ -105,6 +108,9 @@ class TokenizerManager:
         rid = req.rid or uuid.uuid4().hex
         if rid in self.groups:
             raise AlreadyExists(f"rid: request {rid!r} is already running")
+        lora = self.lora.pick(req.lora_path, req.model, self.settings.limits.served_model_name)
+        if lora and req.model == lora:
+            req = replace(req, model="")  # vLLM's way: the model field named the adapter, not another model
         t0 = time.perf_counter()
         prepared = prepare(req, self.tokenizer, self.settings.limits)
         tokenize_s = time.perf_counter() - t0
@@ -120,21 +126,25 @@ class TokenizerManager:
             raise ResourceExhausted(f"too many requests in flight ({len(self.rid_to_state)}); retry later")
         if not self.detokenizer_up():
             raise Unavailable("detokenizer unavailable")
-        address = self.router.select(prepared.input_ids, self.schedulers.views(self.in_flight()))
+        route_key = self.lora.route_prefix(lora) + prepared.input_ids if lora else prepared.input_ids
+        address = self.router.select(route_key, self.schedulers.views(self.in_flight()))
         states = [
             ReqState(req=TokenizedReq(rid=r, owner=self.owner, input_ids=prepared.input_ids, sampling=sp,
                                       stream=req.stream, return_logprob=req.return_logprob,
                                       top_logprobs_num=req.top_logprobs_num,
-                                      logprob_start_len=req.logprob_start_len if req.return_logprob else -1),
+                                      logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                                      lora_name=lora),
                      group=rid, index=i, scheduler=address, event=wakeup, created=arrived,
                      prompt_tokens=len(prepared.input_ids), output=self._chat_output(req.chat))
             for i, (r, sp) in enumerate(zip(rids, samplings))]
         self.groups[rid] = states
         for s in states:
             self.rid_to_state[s.rid] = s
-        log.info("rid=%s intake n=%d prompt_tokens=%d stream=%s scheduler=%s", rid, n,
-                 len(prepared.input_ids), req.stream, address)
-        call = Call(rid, req, states, list(states), arrived, tokenize_s)
+        log.info("rid=%s intake n=%d prompt_tokens=%d stream=%s scheduler=%s%s", rid, n,
+                 len(prepared.input_ids), req.stream, address, f" lora={lora}" if lora else "")
+        call = Call(rid, req, states, list(states), arrived, tokenize_s, lora)
+        if lora:
+            self.lora.acquire(lora, 1)
         try:
             await self.schedulers.send(address, [s.req for s in states])
         except BaseException as e:  # also cancellation: forget the states (never reached the scheduler)
@@ -256,6 +266,9 @@ class TokenizerManager:
                 del self.rid_to_state[s.rid]
         if self.groups.get(rid) is states:
             del self.groups[rid]
+        if call.lora:  # once: an unload waiting for this adapter's requests may go on
+            self.lora.release(call.lora, 1)
+            call.lora = ""
 
     def in_flight(self) -> dict[str, int]:
         return dict(Counter(s.scheduler for s in self.rid_to_state.values()))

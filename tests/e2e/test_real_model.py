@@ -7,7 +7,9 @@ retracted and recomputed. On it:
   rendered with the model's ChatML template share a long system prompt; plain text, CJK, emoji) and
   text == decode(ids);
 - top-5 logprobs of the generated tokens within 1e-3 of transformers' log_softmax of the raw logits;
-- a plain chat question through /v1/chat/completions answered correctly.
+- a plain chat question through /v1/chat/completions answered correctly;
+- with a random peft LoRA adapter loaded at run time (the stack serves LoRA throughout, so every test
+  above also runs with the hooks in place), greedy output equal to transformers + peft.
 Where our greedy tokens differ from the reference, `check_greedy` looks at the reference's logits at
 the first differing position: a numerical tie (our token within TIE_RTOL of the top logit) is accepted
 and reported as a warning; anything else fails with the position, both tokens and the gap.
@@ -22,6 +24,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -159,7 +162,8 @@ def prompts(tok: TextTokenizer) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def stack(real_model_dir: str) -> Iterator[Stack]:
-    with running_stack(real_model_dir, "--scheduler-args", SCHEDULER_ARGS) as s:
+    with running_stack(real_model_dir, "--scheduler-args", SCHEDULER_ARGS, "--enable-lora",
+                       "--max-lora-rank", "8", "--max-loras-per-batch", "2") as s:
         yield s
 
 
@@ -266,3 +270,24 @@ def test_check_greedy_accepts_a_tie_and_fails_otherwise() -> None:
     assert tie.top2_gap == pytest.approx(1e-5, rel=0.1) and tie.our_gap == tie.top2_gap
     with pytest.raises(pytest.fail.Exception, match="position 2: ours 7 vs reference 3"):
         check_greedy("p", [1, 2, 7], ref)
+
+
+def test_lora_greedy_equals_transformers_peft(stack: Stack, real_model_dir: str, tok: TextTokenizer,
+                                              tmp_path: Path) -> None:
+    from tests.lora_adapters import make_adapter, peft_greedy
+
+    adapter = make_adapter(real_model_dir, tmp_path / "adapter", seed=5, r=8, scale=0.5)
+    r = httpx.post(f"{stack.gateway_url}/load_lora_adapter", json={"lora_name": "random", "lora_path": adapter},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    texts = (PLAIN[0], PLAIN[2])
+    new = 6
+    reference = peft_greedy(real_model_dir, adapter, [tok.encode(t) for t in texts], new)
+    bodies = [{**greedy_body(t, new), **({"lora_path": "random"} if lora else {})} for t in texts for lora in (1, 0)]
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:  # adapter and base requests in the same batches
+        outs = list(pool.map(lambda b: stack.generate(b, timeout=120), bodies))
+    for i, t in enumerate(texts):
+        on_adapter, on_base = outs[2 * i]["output_ids"], outs[2 * i + 1]["output_ids"]
+        print(f"{t[:30]!r}: adapter {on_adapter} (peft {reference[i]}), base {on_base}")
+        assert on_adapter == reference[i], t
+    assert any(outs[2 * i]["output_ids"] != outs[2 * i + 1]["output_ids"] for i in range(len(texts)))

@@ -188,7 +188,7 @@ def test_tool_choice_errors_name_the_field(stack: Stack) -> None:
 def test_unsupported_fields_are_400_and_unknown_ones_are_ignored(stack: Stack) -> None:
     url = f"{stack.gateway_url}/v1/chat/completions"
     base = {"messages": QUESTION, "max_tokens": 2, "temperature": 0}
-    for field, value in [("lora_path", "adapter"), ("priority", 5), ("guided_json", {"type": "object"}),
+    for field, value in [("priority", 5), ("guided_json", {"type": "object"}),
                          ("use_beam_search", True), ("functions", [WEATHER["function"]])]:
         r = httpx.post(url, json={**base, field: value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)

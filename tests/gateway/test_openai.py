@@ -193,7 +193,7 @@ def test_chat_tools_reach_the_tokenizer(client: openai.OpenAI, fake: FakeTokeniz
 
 
 def test_unsupported_fields_are_refused_and_unknown_ones_ignored(client: openai.OpenAI) -> None:
-    for field, value in [("lora_path", "a"), ("use_beam_search", True), ("structured_outputs", {"regex": "a"})]:
+    for field, value in [("priority", 5), ("use_beam_search", True), ("structured_outputs", {"regex": "a"})]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body={field: value})
         assert e.value.body["param"] == field  # type: ignore[index]  # APIError.body is typed object

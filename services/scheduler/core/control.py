@@ -1,4 +1,5 @@
-"""Operations on a running engine: pause / continue, abort all, weights from disk, profiling.
+"""Operations on a running engine: pause / continue, abort all, weights from disk, profiling, LoRA
+adapters.
 
 Pausing happens in the step loop: a paused engine still takes its inbox every step (new requests
 queue in `waiting`, aborts apply) but schedules nothing, so no prefill and no decode run. SGLang's
@@ -11,6 +12,9 @@ the others keep decoding on the old weights until they finish (or are aborted fi
 then, under the step lock, the new weights are checked and copied in place, the prefix cache (KV of
 the old weights) is flushed and weight_version changes. No request sees two sets of weights, unless
 the caller paused with `retract` first (SGLang's partial rollout: they recompute on the new ones).
+LoRA adapters load without stopping the steps: the files are read and checked outside the step lock,
+and only the registration takes it. An unload is refused (FAILED_PRECONDITION) while a request here
+still uses the adapter; the tokenizer waits for its requests before asking (services/tokenizer/lora.py).
 Every call here is made from a gRPC worker thread, never the engine thread.
 """
 
@@ -20,7 +24,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
-from ringserve.errors import InvalidArgument
+from ringserve.errors import FailedPrecondition, InvalidArgument, NotFound
+from ringserve.message import LoraAdapter
 from services.scheduler.core.profiler import ProfileOptions
 from services.scheduler.model_executor import weight_update
 from services.scheduler.model_executor.weight_update import WeightUpdateError
@@ -143,3 +148,36 @@ def start_profile(engine: Engine, opts: ProfileOptions) -> str:
 
 def stop_profile(engine: Engine) -> list[str]:
     return engine.profiler.request(None, engine.wake)
+
+
+def load_lora(engine: Engine, adapter: LoraAdapter) -> int:
+    """Load an adapter (see the module doc); returns its rank. InvalidArgument / AlreadyExists /
+    ResourceExhausted say why not."""
+    lora = _lora(engine)
+    weights = lora.read(adapter.name, adapter.path)  # slow: disk and checks, outside the step lock
+    with engine._lock:  # pinning fills a slot the forward reads
+        lora.add(weights, adapter.pinned)
+        engine._update_load()
+    return weights.rank
+
+
+def unload_lora(engine: Engine, name: str) -> None:
+    """Forget an adapter and free its cached KV; FailedPrecondition while a request here uses it."""
+    lora = _lora(engine)
+    with engine._lock:
+        engine.recv()  # requests already submitted count as users (their adapter resolves in recv)
+        uid = lora.resolve(name)
+        users = [r.rid for r in engine.scheduler.live_reqs() if r.lora_uid == uid]
+        if users:
+            raise FailedPrecondition(f"lora_name: adapter {name!r} is in use by {len(users)} request(s) "
+                                     f"here (e.g. {users[0]}); retry when they finish")
+        lora.remove(name)
+        freed = engine.tree.drop(uid)
+        engine._update_load()
+    log.info("lora adapter %s: %d cached token(s) of it freed", name, freed)
+
+
+def _lora(engine: Engine):  # -> LoraManager
+    if engine.lora is None:
+        raise NotFound("this scheduler serves no LoRA adapters (start it with --enable-lora or --lora-paths)")
+    return engine.lora

@@ -19,7 +19,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ringserve.message import Load, SamplingParams, StepBatch, TokenDelta
+import grpc
+
+from ringserve.errors import NotFound
+from ringserve.message import Finish, Load, SamplingParams, StepBatch, TokenDelta
 from ringserve.text_tokenizer import TextTokenizer
 from services.scheduler import memory
 from services.scheduler.config import EngineConfig
@@ -35,6 +38,8 @@ from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.grammar.setup import GrammarPrefetch, build_grammar
 from services.scheduler.kvcache.kv_manager import KVManager
 from services.scheduler.kvcache.radix_cache import RadixCache
+from services.scheduler.lora.adapter import parse_lora_paths
+from services.scheduler.lora.manager import settings_for
 from services.scheduler.model_executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -77,7 +82,13 @@ class Engine:
             cpu_kernels=not cfg.disable_cpu_kernels, kernel_cache=cfg.kernel_cache,
             decode_cache_bytes=None if cfg.decode_cache_mib is None else cfg.decode_cache_mib << 20,
             attention_backend=cfg.attention_backend, other_bounds=grammar_bound,
-            synthetic_forward=cfg.synthetic_forward)
+            synthetic_forward=cfg.synthetic_forward,
+            lora=settings_for(cfg.lora_enabled, cfg.lora_paths, cfg.max_loras_per_batch, cfg.max_lora_rank,
+                              cfg.lora_target_modules, cfg.max_loaded_loras))
+        self.lora = self.runner.lora
+        if self.lora is not None:
+            for name, path in parse_lora_paths(cfg.lora_paths):
+                self.lora.add(self.lora.read(name, path), pinned=False)
         self.tokenizer = TextTokenizer.from_model(cfg.model)
         self.tree = RadixCache(self.runner.token_to_kv_pool, self.runner.device, disable=cfg.disable_radix_cache)
         self.kv = KVManager(self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.tree)
@@ -90,7 +101,8 @@ class Engine:
             max_running_requests=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens,
             chunked_prefill_size=self.chunked_prefill_size, stream_interval=cfg.stream_interval,
             grammar=self.grammar, mixed_chunk=cfg.enable_mixed_chunk,
-            decode_interleave=not cfg.disable_decode_interleave)
+            decode_interleave=not cfg.disable_decode_interleave,
+            max_loras_per_batch=self.lora.settings.max_loras_per_batch if self.lora is not None else 0)
         self.inbox = Inbox(cfg.max_queued_requests, self.max_prompt_tokens)
         self._lock = threading.Lock()          # serializes step / flush / resync
         self._resyncs: list[tuple[str | None, list[TokenDelta]]] = []  # computed at a step's start
@@ -118,8 +130,17 @@ class Engine:
     # -- intake (any thread) ---------------------------------------------------------------------
 
     def submit(self, req: Req) -> None:
-        """Queue a request; raises InvalidArgument (prompt) or QueueFull (--max-queued-requests)."""
+        """Queue a request; raises InvalidArgument (prompt), NotFound (its LoRA adapter is not loaded
+        here) or QueueFull (--max-queued-requests)."""
+        if req.lora_name:
+            self.resolve_lora(req.lora_name)  # refuse early; recv resolves it for good
         self.inbox.submit(req)
+
+    def resolve_lora(self, name: str) -> int:
+        if self.lora is None:
+            raise NotFound(f"lora_path: adapter {name!r} is not loaded (this scheduler serves no LoRA "
+                           "adapters: start it with --enable-lora or --lora-paths)")
+        return self.lora.resolve(name)
 
     def abort(self, rids: list[str]) -> None:
         for rid in rids:
@@ -164,6 +185,14 @@ class Engine:
         sched = self.scheduler
         for msg in self.inbox.take():
             if isinstance(msg, Req):
+                if msg.lora_name:
+                    # Here, under the step lock, as an unload checks for users: an adapter unloaded
+                    # between submit and now ends the request instead of reaching a forward.
+                    try:
+                        msg.lora_uid = self.resolve_lora(msg.lora_name)
+                    except NotFound as e:
+                        sched.finish(msg, Finish.abort(grpc.StatusCode.NOT_FOUND, e.message), cache=False)
+                        continue
                 sched.add_request(msg)
                 log.info("rid=%s queued prompt_tokens=%d owner=%s", msg.rid, msg.prompt_tokens, msg.owner)
             elif isinstance(msg, AbortRid):
@@ -313,15 +342,16 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  return_logprob: bool = False, top_logprobs_num: int = 0,
-                 logprob_start_len: int = -1) -> list[GenerationResult]:
-        """Submit all prompts and step until every one finished."""
+                 logprob_start_len: int = -1, lora: list[str] | None = None) -> list[GenerationResult]:
+        """Submit all prompts and step until every one finished. lora: each prompt's adapter name ("": none)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        loras = lora or [""] * len(prompts)
         base = f"gen-{time.monotonic_ns()}"
         reqs = [Req(rid=f"{base}-{i}", origin_input_ids=list(ids), params=p, stream=False,
                     return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                    logprob_start_len=logprob_start_len)
-                for i, (ids, p) in enumerate(zip(prompts, params, strict=True))]
+                    logprob_start_len=logprob_start_len, lora_name=name)
+                for i, (ids, p, name) in enumerate(zip(prompts, params, loras, strict=True))]
         pending = deque(reqs)
         while not all(r.finished for r in reqs):
             while pending:  # as many as the queue takes; the rest after the next step

@@ -77,7 +77,7 @@ class PrefillAdder:
 
     def __init__(self, kv: KVManager, running: Sequence[Req], max_prefill_tokens: int,
                  chunked_prefill_size: int, max_running_requests: int, new_token_ratio: float,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, max_loras: int = 0) -> None:
         self.kv = kv
         # Requests scoring their prompt keep logits for every new position: [rows, vocab] floats.
         self.rem_scored = prompt_logprobs.rows_budget(vocab_size)
@@ -91,9 +91,15 @@ class PrefillAdder:
         self.extend_lens: list[int] = []
         self.slots: list[torch.Tensor] = []   # [extend_len] int64 KV slots per added request
         self.chunked: Req | None = None
+        # LoRA: the running requests decode with this step's prefill (mixed) or right after it, so the
+        # distinct adapters of both together must fit the slots (--max-loras-per-batch).
+        self.max_loras = max_loras
+        self.loras = {r.lora_uid for r in running if r.lora_uid}
 
     def _shares_uncached_prefix(self, req: Req, prefix_len: int) -> bool:
         for other in self.reqs:
+            if other.lora_uid != req.lora_uid:  # another adapter's KV is no use to it
+                continue
             if _common_len(req.fill_ids, other.fill_ids) - prefix_len >= IN_BATCH_PREFIX_MIN:
                 return True
         return False
@@ -104,6 +110,8 @@ class PrefillAdder:
         if not continuing:
             if self.can_run <= 0:
                 return "stop"
+            if req.lora_uid and req.lora_uid not in self.loras and len(self.loras) >= self.max_loras:
+                return "defer"  # its adapter would be one too many in this batch: a later step
             self.kv.match(req)  # always fresh: an older match may point at evicted slots
             prefix_len = _prefix_len(req)
             # A request scoring its prompt could not take the shared part from the cache anyway.
@@ -141,6 +149,8 @@ class PrefillAdder:
                 self.kv.release(req, cache=False)
             return "stop"
         self.reqs.append(req)
+        if req.lora_uid:
+            self.loras.add(req.lora_uid)
         self.extend_lens.append(take)
         self.slots.append(slots)
         # Locking the prefix also took it out of what is evictable: charge what really went.

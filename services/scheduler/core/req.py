@@ -87,6 +87,10 @@ class Req:
     fill_ids: list[int] = field(default_factory=list)  # tokens to prefill: prompt (+ output on recompute)
     cached_tokens: int = 0                        # prompt tokens served from the prefix cache (max seen)
     weight_version: str = ""                      # of the weights of its last prefill (its outputs report it)
+    # Its LoRA adapter: the name the tokenizer sent and the uid the engine resolved it to at intake
+    # (0: the base model). The uid keys its prefix-cache namespace and its rows' updates.
+    lora_name: str = ""
+    lora_uid: int = 0
 
     status: ReqStatus = ReqStatus.WAITING
     finished_reason: Finish | None = None
@@ -112,7 +116,7 @@ class Req:
         """The scheduler's state for a request from a tokenizer replica (`owner` when it names none)."""
         return cls(rid=t.rid, owner=t.owner or owner, origin_input_ids=t.input_ids, params=t.sampling,
                    stream=t.stream, return_logprob=t.return_logprob, top_logprobs_num=t.top_logprobs_num,
-                   logprob_start_len=t.logprob_start_len,
+                   logprob_start_len=t.logprob_start_len, lora_name=t.lora_name,
                    timings=ReqTimings(arrival=time.monotonic(), sent_at=t.sent_at, arrived_at=time.time()))
 
     @property

@@ -80,7 +80,7 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
                  max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int,
                  stream_interval: int = 1, grammar: GrammarGlue | None = None, mixed_chunk: bool = False,
-                 decode_interleave: bool = True) -> None:
+                 decode_interleave: bool = True, max_loras_per_batch: int = 0) -> None:
         self.runner = runner
         self.kv = kv
         self.finisher = finisher
@@ -90,6 +90,7 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.stream_interval = stream_interval
         self.mixed_chunk = mixed_chunk
+        self.max_loras_per_batch = max_loras_per_batch  # distinct adapters in running + prefill (0: no LoRA)
         self.decode_interleave = decode_interleave and not mixed_chunk  # mixed: they decode in the prefill
         self._decode_next = False   # the last step was a prefill: the running requests' turn
         self.device = runner.device
@@ -141,7 +142,8 @@ class Scheduler:
             return None
         order_waiting(self.waiting, self.policy, self.kv)
         adder = PrefillAdder(self.kv, self.running.reqs, self.max_prefill_tokens, self.chunked_prefill_size,
-                             self.max_running, self.new_token_ratio, self.runner.vocab_size)
+                             self.max_running, self.new_token_ratio, self.runner.vocab_size,
+                             self.max_loras_per_batch)
         if self.chunked is not None:
             req = self.chunked
             if adder.add(req) != "chunked" and adder.reqs and adder.reqs[-1] is req:
@@ -174,6 +176,7 @@ class Scheduler:
                 self.stats.prompt_tokens += len(req.origin_input_ids)
                 self.stats.cached_prompt_tokens += req.kv_len
         fb = adder.forward_batch(self.kv.req_pool.req_to_token, self.device)
+        fb.lora_ids = lora_ids(adder.reqs)
         rows = [i for i, (r, n) in enumerate(zip(adder.reqs, adder.extend_lens, strict=True))
                 if r.kv_len + n == len(r.fill_ids)]
         self.stats.prefill_tokens += sum(adder.extend_lens)
@@ -187,6 +190,7 @@ class Scheduler:
         if slots is None:
             return batch  # the next decode step retracts as usual
         dec = self.running.forward_batch(slots, self.kv.req_pool.req_to_token, self.device)
+        dec.lora_ids = lora_ids(self.running.reqs)
         self.stats.mixed_steps += 1
         n = len(self.running)
         rows = batch.sample_rows + list(range(len(batch.reqs), len(batch.reqs) + n))
@@ -212,6 +216,7 @@ class Scheduler:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.stats.decode_steps += 1
         fb = self.running.forward_batch(slots, self.kv.req_pool.req_to_token, self.device)
+        fb.lora_ids = lora_ids(self.running.reqs)
         return Batch(list(self.running.reqs), fb, list(range(len(self.running))), is_prefill=False)
 
     def _requeue_chunked(self) -> None:
@@ -383,6 +388,12 @@ class Scheduler:
     def num_queued(self) -> int:
         """Requests not yet running: waiting plus compiling their grammar."""
         return len(self.waiting) + len(self.grammar)
+
+
+def lora_ids(reqs: list[Req]) -> list[int] | None:
+    """[B] each request's adapter uid for the ForwardBatch; None when none has one (no LoRA work)."""
+    ids = [r.lora_uid for r in reqs]
+    return ids if any(ids) else None
 
 
 def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, finisher: FinishChecker,

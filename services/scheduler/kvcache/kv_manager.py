@@ -1,7 +1,8 @@
 """Who owns which KV slots: allocation with eviction, prefix matching, and releasing a request.
 
 The only place that moves slots between the pool, the radix cache and a request, so the accounting
-rule holds in one file: pool free + cache + request-owned slots == pool size, at every step.
+rule holds in one file: pool free + cache + request-owned slots == pool size, at every step. A request
+on a LoRA adapter matches and caches only in its adapter's namespace of the tree (req.lora_uid).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class KVManager:
         # Leave the last token uncached: its logits are what the prefill is for; and every position
         # whose logits score a prompt token asked for (prompt_logprobs.py).
         cap = prompt_logprobs.cache_cap(req)
-        indices, node = self.tree.match_prefix(req.fill_ids[:-1] if cap is None else req.fill_ids[:cap])
+        indices, node = self.tree.match_prefix(req.fill_ids[:-1] if cap is None else req.fill_ids[:cap], req.lora_uid)
         req.prefix_indices, req.last_node = indices, node
         return int(indices.numel())
 
@@ -76,10 +77,10 @@ class KVManager:
             return
         ids = (req.origin_input_ids + req.output_ids)[: req.kv_len]
         slots = self.req_pool.req_to_token[row, : req.kv_len].clone()  # [kv_len] int64
-        already = self.tree.insert(ids, slots)
+        already = self.tree.insert(ids, slots, req.lora_uid)
         if already > n_prefix:
             self.kv_pool.free(slots[n_prefix:already])
-        indices, node = self.tree.match_prefix(ids)  # [kv_len] canonical slots, node covers all of ids
+        indices, node = self.tree.match_prefix(ids, req.lora_uid)  # [kv_len] canonical slots, node covers all of ids
         self.req_pool.req_to_token[row, : req.kv_len] = indices
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
@@ -94,7 +95,7 @@ class KVManager:
         slots = self.req_pool.req_to_token[row, : req.kv_len].clone()  # [kv_len] int64
         if cache and req.kv_len > 0 and not self.tree.disable:
             ids = (req.origin_input_ids + req.output_ids)[: req.kv_len]
-            already = self.tree.insert(ids, slots)
+            already = self.tree.insert(ids, slots, req.lora_uid)
             # Tokens someone else cached meanwhile: our copies of them are duplicates.
             if already > n_prefix:
                 self.kv_pool.free(slots[n_prefix:already])

@@ -9,6 +9,9 @@ Rules:
   allocated in the pool and held by no one else.
 - `insert` returns how many leading tokens were already in the tree: the caller's slots for those
   tokens are duplicates and the caller frees them (except the ones it got from the tree itself).
+- Every key lives in a namespace with its own root: 0 for the base model, a LoRA adapter's uid for
+  requests on that adapter. The same tokens under two adapters have different KV, so nothing is
+  ever shared across namespaces; `drop(namespace)` frees one whose adapter is gone.
 """
 
 from __future__ import annotations
@@ -65,18 +68,25 @@ class RadixCache:
 
     def reset(self) -> None:
         """Forget everything (the caller frees the pool; used by flush with nothing running)."""
-        self.root = TreeNode()
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[int, TreeNode] = {}
+        self.root = self._root(0)
         self._evictable = 0
         self._protected = 0
 
+    def _root(self, namespace: int) -> TreeNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = TreeNode()
+            root.lock_ref = 1  # a root is never evicted
+        return root
+
     # -- queries ---------------------------------------------------------------------------------
 
-    def match_prefix(self, ids: list[int]) -> MatchResult:
+    def match_prefix(self, ids: list[int], namespace: int = 0) -> MatchResult:
         """Longest cached prefix of ids. Callers pass ids[:-1] so at least one token is computed."""
         if self.disable or not ids:
             return MatchResult(self._empty, self.root)
-        node, values = self.root, cast(list[torch.Tensor], [])
+        node, values = self._root(namespace), cast(list[torch.Tensor], [])
         stamp = next(_clock)
         while ids:
             child = node.children.get(ids[0])
@@ -109,11 +119,11 @@ class RadixCache:
 
     # -- updates ---------------------------------------------------------------------------------
 
-    def insert(self, ids: list[int], slots: torch.Tensor) -> int:
+    def insert(self, ids: list[int], slots: torch.Tensor, namespace: int = 0) -> int:
         """Add ids -> slots ([len(ids)] int64). Returns the length of ids already present."""
         if self.disable or not ids:
             return 0
-        node, done = self.root, 0
+        node, done = self._root(namespace), 0
         stamp = next(_clock)
         while done < len(ids):
             rest = ids[done:]
@@ -147,7 +157,7 @@ class RadixCache:
         return upper
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:  # up to its namespace's root
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -156,7 +166,7 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 1:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
@@ -180,16 +190,42 @@ class RadixCache:
             self._evictable -= len(leaf.key)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         if released:
             self.pool.free(torch.cat(released))
         return freed
 
+    def drop(self, namespace: int) -> int:
+        """Free every cached token of a namespace (its adapter was unloaded: nothing can match it
+        again) and forget its root; returns how many. Locked nodes (a request still using it) stay."""
+        root = self.roots.get(namespace)
+        if namespace == 0 or root is None:
+            return 0
+        freed = 0
+        for child in list(root.children.values()):
+            if child.lock_ref == 0:
+                freed += self._free_subtree(child)
+                del root.children[child.key[0]]
+        if not root.children:
+            del self.roots[namespace]
+        return freed
+
+    def _free_subtree(self, top: TreeNode) -> int:
+        nodes, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        n = sum(len(x.key) for x in nodes)
+        self._evictable -= n
+        self.pool.free(torch.cat([cast(torch.Tensor, x.value) for x in nodes]))
+        return n
+
     # -- integrity -------------------------------------------------------------------------------
 
     def _nodes(self) -> list[TreeNode]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)

@@ -35,6 +35,9 @@ class ForwardBatch:
     # EXTEND only: how many of each request's last new tokens get logits (None: one each), for
     # requests that score their prompt (prompt_logprobs.py).
     logit_rows: list[int] | None = None
+    # [B] on CPU: each request's LoRA adapter uid (0: the base model); None when no request has one,
+    # so a batch without adapters costs nothing (services/scheduler/lora/).
+    lora_ids: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -57,6 +60,8 @@ class ForwardBatch:
             seq_lens_cpu=extend.seq_lens_cpu + decode.seq_lens_cpu,
             num_decode=decode.batch_size,
             logit_rows=None if extend.logit_rows is None else extend.logit_rows + [1] * decode.batch_size,
+            lora_ids=(None if extend.lora_ids is None and decode.lora_ids is None else
+                      (extend.lora_ids or [0] * extend.batch_size) + (decode.lora_ids or [0] * decode.batch_size)),
         )
 
     def split(self) -> tuple[ForwardBatch, ForwardBatch, int]:
@@ -67,9 +72,9 @@ class ForwardBatch:
         extend = ForwardBatch(
             ForwardMode.EXTEND, batch.input_ids[:t], batch.positions[:t], batch.out_cache_loc[:t],
             batch.req_pool_indices[:b], batch.seq_lens[:b], batch.extend_lens[:b], batch.prefix_lens[:b],
-            batch.seq_lens_cpu[:b])
+            batch.seq_lens_cpu[:b], lora_ids=None if batch.lora_ids is None else batch.lora_ids[:b])
         decode = ForwardBatch(
             ForwardMode.DECODE, batch.input_ids[t:], batch.positions[t:], batch.out_cache_loc[t:],
             batch.req_pool_indices[b:], batch.seq_lens[b:], batch.extend_lens[b:], batch.prefix_lens[b:],
-            batch.seq_lens_cpu[b:])
+            batch.seq_lens_cpu[b:], lora_ids=None if batch.lora_ids is None else batch.lora_ids[b:])
         return extend, decode, t

@@ -17,6 +17,7 @@ from services.scheduler.attention.decode_cache import default_budget, shared_bud
 from services.scheduler.kernels import cpu_linear
 from services.scheduler.kernels.cpu_kernels import load as load_cpu_kernels
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.scheduler.lora.manager import LoraManager, LoraSettings
 from services.scheduler.model_executor import model_loader
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models import get_model_class
@@ -38,13 +39,16 @@ class ModelRunner:
                  num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
                  kernel_cache: str | None = None, decode_cache_bytes: int | None = None,
                  attention_backend: str | None = None, emulate_cuda_graph: bool = False,
-                 other_bounds: Sequence[memory.Bound] = (), synthetic_forward: bool = False) -> None:
+                 other_bounds: Sequence[memory.Bound] = (), synthetic_forward: bool = False,
+                 lora: LoraSettings | None = None) -> None:
         """other_bounds: host memory the caller will allocate besides the
         runner's (the grammar cache), for the startup memory check. attention_backend: triton,
         flashinfer or torch (None: triton on CUDA when it imports, else torch). emulate_cuda_graph:
         run the CUDA-graph logic on any device with recorded functions in place of graphs (tests).
         synthetic_forward: `forward` skips the model and returns logits that pick `synthetic_tokens`
-        (benchmarks of the services around the scheduler; the pools and the scheduling are real)."""
+        (benchmarks of the services around the scheduler; the pools and the scheduling are real).
+        lora: serve LoRA adapters (the slot pool is reserved now; None: no LoRA, and nothing of it
+        in the forward)."""
         t0 = time.monotonic()
         self.model_path = model_path
         self.synthetic_forward = synthetic_forward
@@ -82,6 +86,8 @@ class ModelRunner:
         self.model = self._load_model(path)
         self.weights_bytes = _weights_bytes(self.model)
         logger.info("weights loaded in %.1fs", time.monotonic() - t0)
+        # After packing: the wrappers call whatever linear the CPU path left in place.
+        self.lora = LoraManager(self.model, lora, self.device, self.dtype) if lora is not None else None
 
         attn = self.model.first_attention()
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -192,6 +198,11 @@ class ModelRunner:
             if shared is not None:
                 items.append(memory.MemoryItem("shared_prefixes", shared.held_bytes(), shared.max_bytes,
                                                "--decode-cache-mib / 4"))
+        if self.lora is not None:
+            pool = self.lora.pool_bytes
+            items.append(memory.MemoryItem("lora_slots", pool, pool, "--max-loras-per-batch, --max-lora-rank"))
+            items.append(memory.MemoryItem("lora_adapters", self.lora.host_bytes, self.lora.host_bytes,
+                                           "--max-loaded-loras"))
         if self.device.type == "cuda":
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             items.append(memory.MemoryItem("cuda_cached", cached, cached, "returned when idle"))
@@ -230,6 +241,13 @@ class ModelRunner:
         request's last logit_rows[b] new tokens, [sum(logit_rows), V])."""
         if self.synthetic_forward:
             return self.synthetic_logits(batch)
+        if batch.lora_ids is not None and self.lora is not None:
+            # Eager: the captured graphs hold the base model only (the LoRA plan changes every batch).
+            self.lora.begin(batch.lora_ids, batch.extend_lens)
+            try:
+                return self.forward_eager(batch)
+            finally:
+                self.lora.end()
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
             return self.cuda_graph_runner.replay(batch)
         return self.forward_eager(batch)

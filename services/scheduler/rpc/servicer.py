@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from ringserve.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
-from ringserve.message import TokenizedReq
+from ringserve.message import LoraAdapter, TokenizedReq
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.core import control
 from services.scheduler.core.engine import Engine
@@ -148,6 +148,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def StopProfile(self, request, context) -> scheduler_pb2.SchedulerServiceStopProfileResponse:
         files = await asyncio.to_thread(control.stop_profile, self._engine())
         return scheduler_pb2.SchedulerServiceStopProfileResponse(trace_files=files)
+
+    async def LoadLoraAdapter(self, request, context) -> scheduler_pb2.SchedulerServiceLoadLoraAdapterResponse:
+        rank = await asyncio.to_thread(control.load_lora, self._engine(), LoraAdapter.from_pb(request.adapter))
+        return scheduler_pb2.SchedulerServiceLoadLoraAdapterResponse(rank=rank)
+
+    async def UnloadLoraAdapter(self, request, context) -> scheduler_pb2.SchedulerServiceUnloadLoraAdapterResponse:
+        if not request.lora_name:
+            raise InvalidArgument("lora_name", "required")
+        await asyncio.to_thread(control.unload_lora, self._engine(), request.lora_name)
+        return scheduler_pb2.SchedulerServiceUnloadLoraAdapterResponse()
 
 
 _PAUSE_MODES = {scheduler_pb2.PAUSE_MODE_UNSPECIFIED: "abort", scheduler_pb2.PAUSE_MODE_ABORT: "abort",
