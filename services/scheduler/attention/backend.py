@@ -143,11 +143,13 @@ class TorchSDPABackend:
                                 mask=None, batch_size=bs, q_len=max(batch.extend_lens), extend_layout=layout)
         if bs == 1 and batch.prefix_lens[0] == 0:
             n = batch.extend_lens[0]
-            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            windows: dict[int, torch.Tensor] = {}
+            if self.distinct_windows:  # causal within each window: [1, 1, n, n]
+                i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+                windows = {w: additive(((j <= i) & (j > i - w))[None, None].to(self.device), self.kv_pool.dtype)
+                           for w in self.distinct_windows}
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
-                                mask=None, batch_size=1, q_len=n,
-                                window_masks={w: additive(((j <= i) & (j > i - w))[None, None].to(self.device),
-                                                          self.kv_pool.dtype) for w in self.distinct_windows})
+                                mask=None, batch_size=1, q_len=n, window_masks=windows)
         q_len = max(batch.extend_lens)
         # Token t of request b sits at row b * Lq + i of the padded queries (built on CPU: lists are there).
         pad = [b * q_len + i for b, n in enumerate(batch.extend_lens) for i in range(n)]
@@ -160,9 +162,11 @@ class TorchSDPABackend:
         mask = (j <= prefix[:, None, None] + i) & (j < seq[:, None, None])  # [B, Lq, Lkv]
         # With a window, also j > position - window; a padded query (position past seq_len - 1) still
         # sees key seq_len - 1 when the window is >= 1, so no row is empty.
-        pos = torch.minimum(prefix[:, None, None] + i, seq[:, None, None] - 1)
-        window_masks = {w: additive((mask & (j > pos - w))[:, None].to(self.device, non_blocking=True),
-                                    self.kv_pool.dtype) for w in self.distinct_windows}
+        window_masks: dict[int, torch.Tensor] = {}
+        if self.distinct_windows:
+            pos = torch.minimum(prefix[:, None, None] + i, seq[:, None, None] - 1)
+            window_masks = {w: additive((mask & (j > pos - w))[:, None].to(self.device, non_blocking=True),
+                                        self.kv_pool.dtype) for w in self.distinct_windows}
         return SDPAMetadata(
             is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,
             mask=additive(mask[:, None].to(self.device, non_blocking=True), self.kv_pool.dtype),
