@@ -131,6 +131,7 @@ def test_sliding_window_families_on_cuda_match_cpu(model_path: str, family: str,
     cpu = ModelRunner(path, device="cpu", max_total_tokens=4096, max_running_requests=8)
     gpu = ModelRunner(path, device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8,
                       cuda_graph_max_bs=8)
+    assert gpu.attention_backend == "torch"  # the default (triton) has no windows: SDPA serves instead
     assert gpu.cuda_graph_runner is not None and gpu.cuda_graph_runner.window_masks
     ref, ref_toks = run_steps(cpu, prompts, 8)
     got, toks = run_steps(gpu, prompts, 8)
