@@ -9,7 +9,7 @@ ARGS ?=
 RESULTS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint gpu-check bench bench-table bench-100m bench-engine bench-profile bench-ring soak chaos clean
+.PHONY: run test test-gemma3 proto model install lint gpu-check bench bench-table bench-100m bench-engine bench-profile bench-ring soak chaos clean
 SOAK_S ?= 180
 CHAOS_S ?= 600
 CHAOS_SEED ?=
@@ -39,6 +39,12 @@ run: model
 # lint first: a lint finding fails `make test` (and so CI, which runs `make test`) before any test runs.
 test: lint model
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The real Gemma 3 270M through the four processes against transformers (fetched and converted on first
+# use, ~6 min; then about 4 min): not in `make test`.
+test-gemma3: proto
+	$(PY) -m ringserve.model_source gemma3-270m
+	$(PY) -m pytest -q -m gemma3 tests/e2e/test_gemma3_270m.py $(PYTEST_ARGS)
 
 # buf (protos), ruff and mypy (Python; both configured in pyproject.toml). mypy reads the .pyi stubs
 # that `make proto` generates. buf comes through npx; without npx it is skipped, as tests/test_protos.py does.

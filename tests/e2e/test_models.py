@@ -56,7 +56,7 @@ def test_an_unsupported_architecture_stops_the_launcher_with_one_line(model_dir:
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPTNeoXForCausalLM"]}))
     proc = run_module("ringserve.launcher", "--model", str(other))
-    assert_one_line_error(proc, "GPTNeoXForCausalLM", "supported: LlamaForCausalLM")
+    assert_one_line_error(proc, "GPTNeoXForCausalLM", "supported: ", "LlamaForCausalLM", "Gemma3ForCausalLM")
     assert "starting detokenizer" not in proc.stdout + proc.stderr
 
 

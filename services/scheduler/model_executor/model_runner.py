@@ -101,6 +101,7 @@ class ModelRunner:
                     self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 2**20,
                     max_running_requests + 1)
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self._backend_requested = attention_backend is not None
         self.attn_backend = self._make_attn_backend()
 
         self.cuda_graph_runner = None
@@ -138,26 +139,50 @@ class ModelRunner:
         return model.eval()
 
     def _make_attn_backend(self) -> Any:
+        # The model's softmax scale (Gemma 3: query_pre_attn_scalar) and per-layer sliding windows. A
+        # backend serves windows when its class says so (`supports_sliding_window`, taking
+        # `sliding_windows=` as TorchSDPABackend does); a windowed model never runs on one that would
+        # ignore them: asked for by name, that is an error, by default torch SDPA serves instead.
+        scaling, windows = self.model.first_attention().scaling, self.model.sliding_windows()
         name = self.attention_backend
         if name == "triton":
             from services.scheduler.attention.triton_backend import TritonAttnBackend
 
-            logger.info("attention backend: triton (paged, split-K decode)")
-            # 16 splits fill an H200's SMs at small batches; on CPU (the interpreter, in tests) fewer
-            # programs keep it fast.
-            return TritonAttnBackend(self.req_to_token_pool, self.token_to_kv_pool,
-                                     self.num_heads, self.num_kv_heads, self.head_dim,
-                                     num_splits=16 if self.device.type == "cuda" else 2)
+            if self._window_capable(TritonAttnBackend, name, windows):
+                logger.info("attention backend: triton (paged, split-K decode)")
+                # 16 splits fill an H200's SMs at small batches; on CPU (the interpreter, in tests) fewer
+                # programs keep it fast.
+                return TritonAttnBackend(self.req_to_token_pool, self.token_to_kv_pool,
+                                         self.num_heads, self.num_kv_heads, self.head_dim, scaling=scaling,
+                                         num_splits=16 if self.device.type == "cuda" else 2,
+                                         **_window_kwargs(windows))
         if name == "flashinfer":
             from services.scheduler.attention.flashinfer_backend import FlashInferAttnBackend
 
-            logger.info("attention backend: flashinfer")
-            return FlashInferAttnBackend(self.req_to_token_pool, self.token_to_kv_pool,
-                                         self.num_heads, self.num_kv_heads, self.head_dim)
+            if self._window_capable(FlashInferAttnBackend, name, windows):
+                logger.info("attention backend: flashinfer")
+                return FlashInferAttnBackend(self.req_to_token_pool, self.token_to_kv_pool,
+                                             self.num_heads, self.num_kv_heads, self.head_dim, scaling=scaling,
+                                             **_window_kwargs(windows))
+        self.attention_backend = "torch"
         logger.info("attention backend: torch SDPA%s", ", decode and prefill on the C kernels" if self.native else "")
         return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
-                                self.num_heads, self.num_kv_heads, self.head_dim, native=self.native,
-                                decode_cache_bytes=self.decode_cache_bytes)
+                                self.num_heads, self.num_kv_heads, self.head_dim,
+                                scaling=self.model.first_attention().scaling, native=self.native,
+                                decode_cache_bytes=self.decode_cache_bytes,
+                                sliding_windows=self.model.sliding_windows())
+
+    def _window_capable(self, cls: type, name: str, windows: list[int | None]) -> bool:
+        """Whether backend `cls` can serve this model's windows (always, when it has none)."""
+        if all(w is None for w in windows) or getattr(cls, "supports_sliding_window", False):
+            return True
+        sizes = sorted({w for w in windows if w is not None})
+        if self._backend_requested:
+            raise ValueError(f"attention_backend: {name} has no sliding-window attention, which this model's "
+                             f"layers use (windows {sizes}); use --attention-backend torch")
+        logger.warning("attention backend: %s has no sliding-window attention, which this model's layers use "
+                       "(windows %s): torch SDPA instead", name, sizes)
+        return False
 
     def _check_memory(self, max_running: int, other_bounds: list[memory.Bound]) -> None:
         """Before the pools exist: do their bounds (and the decode caches', on CPU) fit? Raises
@@ -346,6 +371,11 @@ def _weights_bytes(model: torch.nn.Module) -> int:
 
 
 ATTENTION_BACKENDS = ("triton", "flashinfer", "torch")
+
+
+def _window_kwargs(windows: list[int | None]) -> dict[str, Any]:
+    """`sliding_windows=` for a backend only when a layer has one: backends without windows take none."""
+    return {"sliding_windows": windows} if any(w is not None for w in windows) else {}
 
 
 def resolve_attention_backend(name: str | None, device: torch.device) -> str:

@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "services.scheduler.models.gemma3:Gemma3ForCausalLM",
 }
 
 

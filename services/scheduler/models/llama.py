@@ -4,6 +4,8 @@ Tokens of all requests are packed as [T, hidden] for every linear layer (no padd
 knows about requests, through the attention backend. The model keeps no cache of its own.
 q/k/v and gate/up are fused into one matmul each at load time (fewer kernel launches per layer).
 Variants: Qwen2 has q/k/v bias; Qwen3 has RMSNorm on each head of q and k (`q_norm`, `k_norm`).
+A layer's attention may have a sliding window (`layer_window`): the attention backend applies it.
+Other families reuse these blocks (gemma3.py).
 """
 
 from __future__ import annotations
@@ -38,10 +40,25 @@ class RMSNorm(nn.Module):
         return self(x), x
 
 
+def layer_window(config, layer_id: int) -> int | None:
+    """The sliding window of layer `layer_id`'s attention, None for full attention: a config's
+    `sliding_window` applies to every layer (Mistral), or with `layer_types` to its "sliding_attention"
+    layers only (Gemma 3, Qwen2 with use_sliding_window), as in transformers."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return None
+    if types is not None and types[layer_id] != "sliding_attention":
+        return None
+    return int(window)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.sliding_window = layer_window(config, layer_id)
+        self.scaling: float | None = None  # softmax scale; None: head_dim ** -0.5
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -127,6 +144,10 @@ class LlamaForCausalLM(nn.Module):
     def first_attention(self) -> LlamaAttention:
         """The first layer's attention (every layer has the same shapes)."""
         return cast(LlamaDecoderLayer, self.layers[0]).self_attn
+
+    def sliding_windows(self) -> list[int | None]:
+        """Per layer, its attention's sliding window (None: full attention), for the attention backend."""
+        return [cast(LlamaDecoderLayer, layer).self_attn.sliding_window for layer in self.layers]
 
     def use_native_kernels(self, kernels: NativeKernels) -> None:
         """Rotary, the SiLU gate and the norms on the C kernels (float32 CPU models; the runner decides)."""

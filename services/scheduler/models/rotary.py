@@ -2,7 +2,9 @@
 
 inv_freq comes from transformers' own ROPE_INIT_FUNCTIONS (llama3, yarn, linear, ...) so every scaled
 variant a config names matches transformers exactly; only "default" is computed here. Seq-length
-dependent variants ("dynamic", "longrope") use their initial frequencies.
+dependent variants ("dynamic", "longrope") use their initial frequencies. Models whose layer types have
+their own RoPE (Gemma 3: `rope_parameters` keyed by "full_attention" / "sliding_attention") build one
+table per type (`layer_type`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from services.scheduler.kernels.cpu_kernels import NativeKernels
 Rotation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-def rope_parameters(config) -> dict:
-    """transformers 5 exposes `config.rope_parameters`; older configs carry rope_theta/rope_scaling."""
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """transformers 5 exposes `config.rope_parameters` (per layer type where the types differ); older
+    configs carry rope_theta/rope_scaling."""
     params = getattr(config, "rope_parameters", None)
+    if params and layer_type is not None:
+        return dict(params[layer_type])
     if params:
         return dict(params)
     params = dict(getattr(config, "rope_scaling", None) or {})
@@ -25,13 +30,15 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """([rot_dim / 2] float32 inverse frequencies, attention scaling applied to cos/sin)."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        if layer_type is not None:
+            return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
         return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     rot_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     base = float(params.get("rope_theta", 10000.0))
@@ -40,8 +47,8 @@ def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 class RotaryEmbedding:
     def __init__(self, config, head_dim: int, max_position: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        inv_freq, scaling = compute_inv_freq(config, head_dim)
+                 dtype: torch.dtype, layer_type: str | None = None) -> None:
+        inv_freq, scaling = compute_inv_freq(config, head_dim, layer_type)
         self.rot_dim = 2 * inv_freq.numel()
         # Computed in float32 as transformers does, then cast to the model dtype (as HF casts cos/sin).
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, rot/2]

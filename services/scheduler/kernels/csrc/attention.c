@@ -21,7 +21,11 @@
  *   out [B, H, G, D]; pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; lens, entry, plen [Bcap]
  * extend_attention_f32: request b's new tokens q_start[b] .. q_start[b+1]-1 follow prefix[b] cached
  *   ones; its i-th new token sees keys [0, prefix[b] + i] (causal after the prefix), read from the KV
- *   pool through its slots. Requests run one (b, KV head) pair per task, so a request's K/V stay in
+ *   pool through its slots.
+ * window (both; 0: none): a layer's sliding window. The query at position p sees only keys j with
+ *   p - window < j <= p (HF's semantics), so every query's keys are one contiguous run that starts at
+ *   max(0, p + 1 - window): the kernels offset their K^T / V pointers to that start (K^T rows keep
+ *   their stride), which costs nothing and reads only the window. Requests run one (b, KV head) pair per task, so a request's K/V stay in
  *   cache while all its queries read them.
  *   q [T, H, G, D] (T = q_start[B]); pool_k, pool_v [S, H, D]; slots [B, Lcap]; out [T, H, G, D]
  * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * (max(G, XQ) + 2 D) * Lcap for
@@ -36,20 +40,24 @@
 #define BL 64
 #define GMAX 16
 #define XQ 8 /* query rows per extend block: new tokens x G */
+#define DMAX 256 /* head_dim (Gemma 3: 256) */
 
-/* s[g * S + l] = scale * q[g] . K[l] for l in [0, n); K^T rows of `cap` positions. Keys go 64 at a
+/* s[g * S + l] = scale * q[g] . K[off + l] for l in [0, n); K^T rows of `cap` positions. Keys go 64 at a
  * time, 32 with more than 4 query rows, so the accumulators (rows x keys) stay in the registers.
  * pf (or NULL): another K^T of the same shape to prefetch, block by block, as this one is read. */
 static inline __attribute__((always_inline)) void scores(const float *restrict qb, const float *restrict kb,
-                                                          int64_t n_keys, int64_t cap, float *restrict s,
-                                                          int64_t S, float scale, const int64_t G,
-                                                          const int64_t D, const float *restrict pf) {
+                                                          int64_t off, int64_t n_keys, int64_t cap,
+                                                          float *restrict s, int64_t S, float scale,
+                                                          const int64_t G, const int64_t D,
+                                                          const float *restrict pf) {
     const int64_t W = G > 4 ? BL / 2 : BL;
+    kb += off;
+    if (pf) pf += off;
     for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
         float acc[GMAX][BL];
         for (int64_t g = 0; g < G; g++)
             for (int64_t i = 0; i < W; i++) acc[g][i] = 0.0f;
-        if (l0 + W <= cap) { /* full-width loads stay inside the buffer (past n_keys: ignored) */
+        if (off + l0 + W <= cap) { /* full-width loads stay inside the buffer (past n_keys: ignored) */
             for (int64_t d = 0; d < D; d++) {
                 const float *restrict kd = kb + d * cap + l0;
                 if (pf)
@@ -91,7 +99,7 @@ static inline __attribute__((always_inline)) void softmax(float *restrict sg, in
 }
 
 /* acc[g] += sum_l p[g * S + l] V[l] for l in [0, n); pf (or NULL): another V to prefetch meanwhile. */
-static inline __attribute__((always_inline)) void weigh(float acc[GMAX][128], const float *restrict p,
+static inline __attribute__((always_inline)) void weigh(float acc[GMAX][DMAX], const float *restrict p,
                                                          int64_t S, const float *restrict vb, int64_t n,
                                                          const int64_t G, const int64_t D, const float *restrict pf) {
     for (int64_t l = 0; l < n; l++) {
@@ -106,56 +114,61 @@ static inline __attribute__((always_inline)) void weigh(float acc[GMAX][128], co
     }
 }
 
-/* One query token against its keys: `plen` from a shared prefix buffer (pk/pv, `pcap` positions; none
- * when plen is 0), then `len` of its own (kb/vb, `Lcap` positions). The keys are scored into one
+/* One query token against its keys: `plen` from a shared prefix buffer (pk/pv, `pcap` positions, from
+ * position poff; none when plen is 0), then `len` of its own (kb/vb, `Lcap` positions, from position off). The keys are scored into one
  * array, so the softmax and the weighted sum see them in position order exactly as if one buffer held
  * them all. s: G rows of S >= plen + len floats. nk, nv (or NULL): the next task's own K^T and V, so
  * they are on their way from memory while this one computes. */
 static inline __attribute__((always_inline)) void head(const float *restrict qb, const float *restrict pk,
-                                                        const float *restrict pv, int64_t plen, int64_t pcap,
-                                                        const float *restrict kb, const float *restrict vb,
-                                                        int64_t len, int64_t Lcap, float *restrict ob,
+                                                        const float *restrict pv, int64_t poff, int64_t plen,
+                                                        int64_t pcap, const float *restrict kb,
+                                                        const float *restrict vb, int64_t off, int64_t len,
+                                                        int64_t Lcap, float *restrict ob,
                                                         float *restrict s, int64_t S, float scale,
                                                         const int64_t G, const int64_t D,
                                                         const float *restrict nk, const float *restrict nv) {
     const int64_t total = plen + len;
-    if (plen > 0) scores(qb, pk, plen, pcap, s, S, scale, G, D, NULL);
-    scores(qb, kb, len, Lcap, s + plen, S, scale, G, D, nk);
+    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL);
+    scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk);
     for (int64_t g = 0; g < G; g++) softmax(s + g * S, total);
     /* out[g] = sum_l p[g][l] V[l] */
-    float acc[GMAX][128];
+    float acc[GMAX][DMAX];
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
-    if (plen > 0) weigh(acc, s, S, pv, plen, G, D, NULL);
-    weigh(acc, s + plen, S, vb, len, G, D, nv);
+    if (plen > 0) weigh(acc, s, S, pv + poff * D, plen, G, D, NULL);
+    weigh(acc, s + plen, S, vb + off * D, len, G, D, nv);
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g][d];
 }
 
 /* QB consecutive new tokens of one (request, KV head) at once, so each key loaded feeds QB * G query
  * rows instead of G: row r = i * G + g is token i's query head g (q and out rows `step` floats apart
- * between tokens), and token i sees keys [0, n0 + i). Each row's scores, softmax and weighted sum are
- * what `head` computes for it alone; the keys after a row's own (up to the block's last token's) get
- * weight 0. s: QB * G rows of S floats. */
+ * between tokens), and token i sees keys [lo_i, n0 + i) with lo_i = max(0, n0 + i - window) (window 0:
+ * lo_i = 0). Each row's scores, softmax and weighted sum are what `head` computes for it alone; the
+ * keys of the block's span outside a row's own get weight 0. s: QB * G rows of S floats. */
 static inline __attribute__((always_inline)) void block(const float *restrict q0, int64_t step,
                                                          const float *restrict kb, const float *restrict vb,
-                                                         int64_t n0, int64_t Lcap, float *restrict o0,
-                                                         float *restrict s, int64_t S, float scale,
-                                                         const int64_t QB, const int64_t G, const int64_t D) {
+                                                         int64_t n0, int64_t window, int64_t Lcap,
+                                                         float *restrict o0, float *restrict s, int64_t S,
+                                                         float scale, const int64_t QB, const int64_t G,
+                                                         const int64_t D) {
     const int64_t R = QB * G, n = n0 + QB - 1;
-    float qb[GMAX * 128];
+    const int64_t base = window > 0 && n0 > window ? n0 - window : 0; /* the first token's first key */
+    float qb[GMAX * DMAX];
     for (int64_t i = 0; i < QB; i++)
         for (int64_t j = 0; j < G * D; j++) qb[i * G * D + j] = q0[i * step + j];
-    scores(qb, kb, n, Lcap, s, S, scale, R, D, NULL);
+    scores(qb, kb, base, n - base, Lcap, s, S, scale, R, D, NULL); /* s[.. l - base] for key l */
     for (int64_t r = 0; r < R; r++) {
-        const int64_t own = n0 + r / G;
-        softmax(s + r * S, own);
-        for (int64_t l = own; l < n; l++) s[r * S + l] = 0.0f;
+        const int64_t own = n0 + r / G, lo = window > 0 && own > window ? own - window : 0;
+        float *sr = s + r * S; /* sr[l - base]: key l */
+        for (int64_t l = base; l < lo; l++) sr[l - base] = 0.0f;
+        softmax(sr + (lo - base), own - lo);
+        for (int64_t l = own; l < n; l++) sr[l - base] = 0.0f;
     }
-    float acc[GMAX][128];
+    float acc[GMAX][DMAX];
     for (int64_t r = 0; r < R; r++)
         for (int64_t d = 0; d < D; d++) acc[r][d] = 0.0f;
-    weigh(acc, s, S, vb, n, R, D, NULL);
+    weigh(acc, s, S, vb + base * D, n - base, R, D, NULL);
     for (int64_t i = 0; i < QB; i++)
         for (int64_t j = 0; j < G * D; j++) o0[i * step + j] = acc[i * G + j / D][j % D];
 }
@@ -173,21 +186,28 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
         if (G == 1) { BODY(1, 128) } else if (G == 2) { BODY(2, 128) } else if (G == 3) { BODY(3, 128) } \
         else if (G == 4) { BODY(4, 128) } else if (G == 7) { BODY(7, 128) } else if (G == 8) { BODY(8, 128) } \
         else { BODY(G, 128) }                                                                          \
+    } else if (D == 256) {                                                                             \
+        if (G == 1) { BODY(1, 256) } else if (G == 2) { BODY(2, 256) } else if (G == 4) { BODY(4, 256) } \
+        else { BODY(G, 256) }                                                                          \
     } else { BODY(G, D) }
 
 /* Request b's keys live in dense row r: plen[r] from shared prefix entry entry[r] (pk/pv: [E, H, D, Pcap] /
- * [E, H, Pcap, D]; entry may be NULL: no sharing), then lens[r] - plen[r] of its own. */
+ * [E, H, Pcap, D]; entry may be NULL: no sharing), then lens[r] - plen[r] of its own. With a window, the
+ * keys before lo = lens[r] - window are skipped: first the prefix's, then the row's own. */
 #define DECODE_ROWS(GC, DC)                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
         const int64_t b = bh / H, h = bh % H, r = rows ? rows[b] : b;                                  \
         const int64_t pl = entry ? plen[r] : 0;                                                        \
         const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
+        const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;                      \
+        const int64_t poff = lo < pl ? lo : pl, off = lo > pl ? lo - pl : 0;                           \
         const int64_t nb = bh + 1, nh = nb % H, nr = nb < B * H ? (rows ? rows[nb / H] : nb / H) : 0;  \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
         head(q + b * q_stride + h * (GC) * (DC), pk + (e * H + h) * (DC) * Pcap,                       \
-             pv + (e * H + h) * Pcap * (DC), pl, Pcap, kt + (r * H + h) * (DC) * Lcap,                  \
-             v + (r * H + h) * Lcap * (DC), lens[r] - pl, Lcap, out + bh * (GC) * (DC), s, Pcap + Lcap,  \
+             pv + (e * H + h) * Pcap * (DC), poff, pl - poff, Pcap, kt + (r * H + h) * (DC) * Lcap,     \
+             v + (r * H + h) * Lcap * (DC), off, lens[r] - pl - off, Lcap, out + bh * (GC) * (DC), s,   \
+             Pcap + Lcap,                                                                              \
              scale, (GC), (DC), nb < B * H ? kt + (nr * H + nh) * (DC) * Lcap : NULL,                    \
              nb < B * H ? v + (nr * H + nh) * Lcap * (DC) : NULL);                                      \
     }
@@ -195,8 +215,8 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
 int decode_attention_f32(const float *q, int64_t q_stride, const float *kt, const float *v, const int64_t *rows,
                          const int64_t *lens, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
                          int64_t D, int64_t Lcap, float scale, int threads, const float *pk, const float *pv,
-                         const int64_t *entry, const int64_t *plen, int64_t Pcap) {
-    if (G < 1 || G > GMAX || D < 1 || D > 128 || threads < 1) return -1;
+                         const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window) {
+    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
     if (!entry) Pcap = 0;
     DISPATCH(DECODE_ROWS)
     return 0;
@@ -229,21 +249,27 @@ static inline __attribute__((always_inline)) void gather(const float *restrict p
         if (n_new == 0) continue;                                                                      \
         float *s = scratch + (int64_t)omp_get_thread_num() * (((GC) > XQ ? (GC) : XQ) + 2 * (DC)) * Lcap; \
         float *kb = s + ((GC) > XQ ? (GC) : XQ) * Lcap, *vb = kb + (DC) * Lcap;                         \
-        gather(pool_k, pool_v, slots + b * Lcap, prefix[b] + n_new, h, H, kb, vb, Lcap, (DC));        \
+        /* keys before the first new token's window are read by none: the tile starts at g0 */       \
+        const int64_t g0 = window > 0 && prefix[b] + 1 > window ? prefix[b] + 1 - window : 0;          \
+        gather(pool_k, pool_v, slots + b * Lcap + g0, prefix[b] + n_new - g0, h, H, kb, vb, Lcap, (DC)); \
         int64_t t = q_start[b];                                                                        \
         if (QB > 1)                                                                                    \
             for (; t + QB <= q_start[b + 1]; t += QB)                                                  \
-                block(q + (t * H + h) * (GC) * (DC), step, kb, vb, prefix[b] + (t - q_start[b]) + 1, Lcap, \
-                      out + (t * H + h) * (GC) * (DC), s, Lcap, scale, QB, (GC), (DC));                 \
-        for (; t < q_start[b + 1]; t++)                                                                \
-            head(q + (t * H + h) * (GC) * (DC), kb, vb, 0, 0, kb, vb, prefix[b] + (t - q_start[b]) + 1,  \
-                 Lcap, out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL);       \
+                block(q + (t * H + h) * (GC) * (DC), step, kb, vb, prefix[b] + (t - q_start[b]) + 1 - g0, \
+                      window, Lcap, out + (t * H + h) * (GC) * (DC), s, Lcap, scale, QB, (GC), (DC));   \
+        for (; t < q_start[b + 1]; t++) {                                                              \
+            const int64_t n = prefix[b] + (t - q_start[b]) + 1 - g0;                                   \
+            const int64_t lo = window > 0 && n > window ? n - window : 0;                              \
+            head(q + (t * H + h) * (GC) * (DC), kb, vb, 0, 0, 0, kb, vb, lo, n - lo, Lcap,             \
+                 out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL);             \
+        }                                                                                              \
     }
 
 int extend_attention_f32(const float *q, const float *pool_k, const float *pool_v, const int64_t *slots,
                          const int64_t *q_start, const int64_t *prefix, float *out, float *scratch, int64_t B,
-                         int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads) {
-    if (G < 1 || G > GMAX || D < 1 || D > 128 || threads < 1) return -1;
+                         int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads,
+                         int64_t window) {
+    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
     DISPATCH(EXTEND_ROWS)
     return 0;
 }
