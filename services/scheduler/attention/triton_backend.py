@@ -38,6 +38,7 @@ class TritonMetadata:
 class TritonAttnBackend:
     name = "triton"
     kv_buckets = False  # decode graphs need no KV-length bucket (module doc)
+    supports_sliding_window = True  # the kernels skip keys before each layer's window (triton_kernels.py)
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, num_heads: int,
                  num_kv_heads: int, head_dim: int, scaling: float | None = None,
