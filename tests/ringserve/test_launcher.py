@@ -34,6 +34,13 @@ def test_cpu_layout_gives_the_scheduler_decode_threads_before_the_users_flags() 
     assert "--decode-threads" not in service_commands(cfg)[1][1][:-2]
 
 
+def test_disable_overlap_schedule_reaches_the_scheduler_only() -> None:
+    on = service_commands(parse_config(LauncherConfig, ["--model", "/m"], env={}))
+    off = service_commands(parse_config(LauncherConfig, ["--model", "/m", "--disable-overlap-schedule"], env={}))
+    assert "--disable-overlap-schedule" not in on[1][1] and "--disable-overlap-schedule" in off[1][1]
+    assert [c for n, c, _ in on if n != "scheduler"] == [c for n, c, _ in off if n != "scheduler"]
+
+
 def test_restart_backoff_doubles_while_crashing_and_resets_after_healthy_service() -> None:
     b = RestartBackoff(first_s=1.0, max_s=30.0, reset_after_s=10.0)
     assert [b.next(0.5) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]  # a crash loop

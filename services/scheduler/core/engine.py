@@ -268,8 +268,9 @@ class Engine:
         """The step lock, with the forward in flight (overlap) resolved: the scheduler's state is
         current, and nothing runs on the model until the lock is let go (control, flush, resync)."""
         with self._lock:
-            if self.overlap is not None:
-                self.overlap.resolve()
+            if self.overlap is not None and self.overlap.pending:
+                self.overlap.resolve()  # its finishes go out with the next step
+                self._update_load()
             yield
 
     def take_resyncs(self) -> list[tuple[str | None, list[TokenDelta]]]:
