@@ -32,9 +32,12 @@ def bodies(eos: int) -> list[dict]:
     return out
 
 
-def run_all(url: str, reqs: list[dict]) -> list[object]:
+Output = list[tuple[str, list[int], dict]]  # per sample: text, ids, finish_reason
+
+
+def run_all(url: str, reqs: list[dict]) -> list[Output]:
     """All at once (they batch together in the scheduler); each one's ids and finish."""
-    def one(body: dict) -> object:
+    def one(body: dict) -> Output:
         r = httpx.post(f"{url}/generate", json=body, timeout=120)
         r.raise_for_status()
         res = r.json()
