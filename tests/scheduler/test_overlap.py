@@ -164,6 +164,23 @@ def test_abort_and_pause_while_in_flight(engines: dict[bool, Engine]) -> None:
     assert all(len(t) == 16 for t in results[True])
 
 
+def test_a_failed_forward_fails_every_later_step(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's exception reaches the step that resolves it, and every step after (Engine.run
+    then exits the process), even when a control call resolved it on another thread."""
+    e = make(model_dir, True)
+    e.submit(Req(rid="boom", origin_input_ids=[5, 6, 7], params=SamplingParams(temperature=0.0, max_new_tokens=8)))
+
+    def broken(batch: object) -> torch.Tensor:
+        raise ValueError("kernel fault")
+
+    monkeypatch.setattr(e.runner, "forward", broken)
+    e.step()  # launched; the fault is on the worker
+    with pytest.raises(ValueError, match="kernel fault"):
+        e.flush_cache()
+    with pytest.raises(RuntimeError, match="failed on the worker"):
+        e.step()
+
+
 def test_future_map_resolves_placeholders() -> None:
     fm = FutureMap(2, torch.device("cpu"))
     a = fm.reserve(3)

@@ -178,6 +178,9 @@ class Overlap:
         self.stats = OverlapStats()
         self._inflight: InFlight | None = None
         self._seq = 0
+        # A forward that raised: every later step raises too, so the engine thread exits (Engine.run)
+        # even when a control call on another thread was the one that resolved it.
+        self._failed: BaseException | None = None
 
     @property
     def pending(self) -> bool:
@@ -196,6 +199,7 @@ class Overlap:
     def run(self, batch: Batch | None) -> None:
         """Launch this step's batch and resolve the previous one while it runs; a batch that needs
         current CPU state runs after the previous one is resolved, without the lag."""
+        self._check()
         if batch is None:
             self.resolve()
             return
@@ -212,10 +216,15 @@ class Overlap:
     def resolve(self) -> None:
         """Wait for the forward in flight; apply its tokens (those of requests that finished or were
         aborted meanwhile are dropped)."""
+        self._check()
         f, self._inflight = self._inflight, None
         if f is None:
             return
-        res = f.result.result()
+        try:
+            res = f.result.result()
+        except BaseException as e:
+            self._failed = e
+            raise
         for r, p in zip(f.reqs, f.placeholders, strict=True):
             if r.future_id == p:  # no later launch took its place: the token is in output_ids now
                 r.future_id = None
@@ -224,6 +233,10 @@ class Overlap:
         self.rows.passed(f.seq)
         if f.seq == self._seq:  # nothing launched after it
             self.rows.fence = 0
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError("a forward failed on the worker") from self._failed
 
     def _launch(self, batch: Batch) -> InFlight:
         s, runner = self.scheduler, self.runner
