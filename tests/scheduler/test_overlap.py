@@ -164,6 +164,29 @@ def test_abort_and_pause_while_in_flight(engines: dict[bool, Engine]) -> None:
     assert all(len(t) == 16 for t in results[True])
 
 
+def test_a_finished_request_s_row_waits_for_the_forward_still_reading_it(engines: dict[bool, Engine]) -> None:
+    """A finishes at its first token; the decode launched before that was known still reads A's
+    req_to_token row, so B, admitted meanwhile, must not be given that row (B would be, without the
+    fence: the free list hands out the last row freed)."""
+    e = engines[True]
+    one = SamplingParams(temperature=0.0, max_new_tokens=1)
+    a = Req(rid="fence-a", origin_input_ids=[5, 6, 7, 8], params=one)
+    e.submit(a)
+    e.step()  # A's prefill launched
+    row = a.req_pool_idx
+    e.step()  # A's extra decode launched, then its prefill resolved: A finished, row freed
+    assert a.finished and row is not None
+    b = Req(rid="fence-b", origin_input_ids=[9, 10, 11], params=one)
+    e.submit(b)
+    e.step()  # B's prefill scheduled while A's decode is in flight
+    assert b.req_pool_idx is not None and b.req_pool_idx != row
+    while not b.finished:
+        e.step()
+    with e.locked():
+        pass
+    assert_released(e)
+
+
 def test_a_failed_forward_fails_every_later_step(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's exception reaches the step that resolves it, and every step after (Engine.run
     then exits the process), even when a control call resolved it on another thread."""
