@@ -155,7 +155,7 @@ def load_lora(engine: Engine, adapter: LoraAdapter) -> int:
     ResourceExhausted say why not."""
     lora = _lora(engine)
     weights = lora.read(adapter.name, adapter.path)  # slow: disk and checks, outside the step lock
-    with engine._lock:  # pinning fills a slot the forward reads
+    with engine.locked():  # pinning fills a slot the forward reads
         lora.add(weights, adapter.pinned)
         engine._update_load()
     return weights.rank
@@ -164,7 +164,7 @@ def load_lora(engine: Engine, adapter: LoraAdapter) -> int:
 def unload_lora(engine: Engine, name: str) -> None:
     """Forget an adapter and free its cached KV; FailedPrecondition while a request here uses it."""
     lora = _lora(engine)
-    with engine._lock:
+    with engine.locked():
         engine.recv()  # requests already submitted count as users (their adapter resolves in recv)
         uid = lora.resolve(name)
         users = [r.rid for r in engine.scheduler.live_reqs() if r.lora_uid == uid]
