@@ -1,7 +1,7 @@
 """In-process throughput: this engine vs transformers on the same weights.
 
     python -m bench.engine_bench [--shape tiny,100m] [--concurrency 1,8,32,64] [--output-len 64]
-                                 [--disable-overlap-schedule]
+                                 [--[no-]disable-overlap-schedule]
 
 For each concurrency c (c requests submitted at once, random prompts, fixed output length, greedy,
 EOS ignored) it measures output tokens per second of:
@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--skip", default="", help="comma list of runs to skip: hf-seq,hf-static,hf-cb")
-    ap.add_argument("--disable-overlap-schedule", action="store_true",
-                    help="the engine without overlap scheduling (core/overlap.py), to compare")
+    ap.add_argument("--disable-overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine without (--no-: with) overlap scheduling (core/overlap.py); default: "
+                         "the engine's (off on CPU)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.num_threads:

@@ -1,6 +1,7 @@
 """Overlap scheduling through the four real processes: the same concurrent greedy requests (mixed
-max tokens, a stop string, an EOS, n > 1) give the same output with overlap on (the default) and
-with --disable-overlap-schedule. The lag itself is tested in-process (tests/scheduler/test_overlap.py)."""
+max tokens, a stop string, an EOS, n > 1) give the same output with overlap on and off
+(--[no-]disable-overlap-schedule), and get_server_info says which. The lag itself is tested
+in-process (tests/scheduler/test_overlap.py)."""
 
 from __future__ import annotations
 
@@ -52,12 +53,14 @@ def test_greedy_output_is_the_same_with_overlap_on_and_off(model_dir: str) -> No
     eos = TextTokenizer.from_model(model_dir).eos_token_ids[0]
     reqs = bodies(eos)
     got = {}
-    for flags in ((), ("--disable-overlap-schedule",)):
-        with running_stack(model_dir, *flags) as stack:
-            got[flags] = run_all(stack.gateway_url, reqs)
-            assert f"overlap schedule: {'off' if flags else 'on'}" in stack.launcher.output()
-    assert got[()] == got[("--disable-overlap-schedule",)]
-    first = got[()]
+    for on in (True, False):  # on CPU it is off by default: both set explicitly
+        with running_stack(model_dir, "--no-disable-overlap-schedule" if on else "--disable-overlap-schedule") as stack:
+            got[on] = run_all(stack.gateway_url, reqs)
+            assert f"overlap schedule: {'on' if on else 'off'}" in stack.launcher.output()
+            info = httpx.get(f"{stack.gateway_url}/get_server_info", timeout=10).json()
+            assert [s.get("overlap_schedule", False) for s in info["schedulers"]] == [on]
+    assert got[True] == got[False]
+    first = got[True]
     assert first[0][0][2]["type"] == "length" and len(first[0][0][1]) == 4
     assert first[1][0][2]["type"] == "stop" and first[2][0][1][-1] == eos and len(first[2][0][1]) == 4
     assert len(first[3]) == 3 and first[3][0] == first[3][1] == first[3][2]  # n=3 greedy: three equal

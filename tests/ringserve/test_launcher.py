@@ -35,10 +35,11 @@ def test_cpu_layout_gives_the_scheduler_decode_threads_before_the_users_flags() 
 
 
 def test_disable_overlap_schedule_reaches_the_scheduler_only() -> None:
-    on = service_commands(parse_config(LauncherConfig, ["--model", "/m"], env={}))
-    off = service_commands(parse_config(LauncherConfig, ["--model", "/m", "--disable-overlap-schedule"], env={}))
-    assert "--disable-overlap-schedule" not in on[1][1] and "--disable-overlap-schedule" in off[1][1]
-    assert [c for n, c, _ in on if n != "scheduler"] == [c for n, c, _ in off if n != "scheduler"]
+    cmds = {flag: service_commands(parse_config(LauncherConfig, ["--model", "/m", *flag], env={}))
+            for flag in ((), ("--disable-overlap-schedule",), ("--no-disable-overlap-schedule",))}
+    for flag, cmd in cmds.items():
+        assert [a for a in cmd[1][1] if a.endswith("overlap-schedule")] == list(flag)  # unset: the scheduler's default
+        assert [c for n, c, _ in cmd if n != "scheduler"] == [c for n, c, _ in cmds[()] if n != "scheduler"]
 
 
 def test_restart_backoff_doubles_while_crashing_and_resets_after_healthy_service() -> None:

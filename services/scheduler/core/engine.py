@@ -110,7 +110,9 @@ class Engine:
             decode_interleave=not cfg.disable_decode_interleave,
             max_loras_per_batch=self.lora.settings.max_loras_per_batch if self.lora is not None else 0)
         self.inbox = Inbox(cfg.max_queued_requests, self.max_prompt_tokens)
-        self.overlap = None if cfg.disable_overlap_schedule else Overlap(self.runner, self.scheduler)
+        overlap = (not cfg.disable_overlap_schedule if cfg.disable_overlap_schedule is not None
+                   else self.runner.device.type == "cuda")
+        self.overlap = Overlap(self.runner, self.scheduler) if overlap else None
         log.info("overlap schedule: %s", "off" if self.overlap is None else "on")
         self._lock = threading.Lock()          # serializes step / flush / resync
         self._resyncs: list[tuple[str | None, list[TokenDelta]]] = []  # computed at a step's start
