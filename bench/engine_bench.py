@@ -1,6 +1,7 @@
 """In-process throughput: this engine vs transformers on the same weights.
 
     python -m bench.engine_bench [--shape tiny,100m] [--concurrency 1,8,32,64] [--output-len 64]
+                                 [--[no-]disable-overlap-schedule]
 
 For each concurrency c (c requests submitted at once, random prompts, fixed output length, greedy,
 EOS ignored) it measures output tokens per second of:
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--skip", default="", help="comma list of runs to skip: hf-seq,hf-static,hf-cb")
+    ap.add_argument("--disable-overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine without (--no-: with) overlap scheduling (core/overlap.py); default: "
+                         "the engine's (off on CPU)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.num_threads:
@@ -128,7 +132,8 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
 
     engine = Engine(EngineConfig(model=path, device="cpu", max_running_requests=max(conc),
                                  max_total_tokens=max(conc) * (hi + args.output_len + 8),
-                                 num_threads=args.num_threads))
+                                 num_threads=args.num_threads,
+                                 disable_overlap_schedule=args.disable_overlap_schedule))
     engine.warmup()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     vocab = engine.runner.vocab_size
@@ -137,7 +142,8 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
             "hf-static": lambda p: run_hf_static(hf, p, args.output_len),
             "hf-cb": lambda p: run_hf_cb(hf, p, args.output_len)}
     print(f"model {shape} ({path}), threads {torch.get_num_threads()}, prompts {lo}-{hi} tokens, "
-          f"output {args.output_len} tokens", flush=True)
+          f"output {args.output_len} tokens, overlap schedule {'off' if engine.overlap is None else 'on'}",
+          flush=True)
     rows: list[tuple[int, dict[str, float]]] = []
     for c in conc:
         prompts = make_prompts(c, lo, hi, vocab, seed=c)

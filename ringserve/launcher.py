@@ -70,6 +70,8 @@ class LauncherConfig:
     max_lora_rank: int | None = field(default=None, metadata={"help": "the scheduler's --max-lora-rank"})
     lora_target_modules: tuple[str, ...] = field(default=(), metadata={"help": (
         "the scheduler's --lora-target-modules")})
+    disable_overlap_schedule: bool | None = field(default=None, metadata={"help": (
+        "the scheduler's --[no-]disable-overlap-schedule (default: its own, overlap on CUDA only)")})
     scheduler_args: str = field(default="", metadata={"help": "extra flags for the scheduler"})
     tokenizer_args: str = field(default="", metadata={"help": "extra flags for the tokenizer"})
     detokenizer_args: str = field(default="", metadata={"help": "extra flags for the detokenizer"})
@@ -99,6 +101,8 @@ def service_commands(cfg: LauncherConfig, layout: CpuLayout | None = None
     h = cfg.host
     # Before the user's own flags, so that an explicit --decode-threads wins.
     threads = ["--decode-threads", str(layout.decode_threads)] if layout else []
+    overlap = ([] if cfg.disable_overlap_schedule is None else
+               ["--disable-overlap-schedule" if cfg.disable_overlap_schedule else "--no-disable-overlap-schedule"])
     detok = f"{h}:{cfg.detokenizer_port}"
     sched = f"{h}:{cfg.scheduler_port}"
     tok = f"{h}:{cfg.tokenizer_port}"
@@ -119,7 +123,8 @@ def service_commands(cfg: LauncherConfig, layout: CpuLayout | None = None
                                    *shlex.split(cfg.detokenizer_args)), detok),
         ("scheduler", python_cmd("services.scheduler", "--host", h, "--port", str(cfg.scheduler_port),
                                  "--metrics-port", str(cfg.scheduler_metrics_port), *m,
-                                 "--detokenizer", detok, *threads, *lora, *shlex.split(cfg.scheduler_args)), sched),
+                                 "--detokenizer", detok, *threads, *lora, *overlap,
+                                 *shlex.split(cfg.scheduler_args)), sched),
         ("tokenizer", python_cmd("services.tokenizer", "--host", h, "--port", str(cfg.tokenizer_port),
                                  "--metrics-port", str(cfg.tokenizer_metrics_port), *m,
                                  "--scheduler", sched, "--detokenizer", detok, *chat,

@@ -41,6 +41,11 @@ class EngineConfig:
         "triton, flashinfer or torch (default: triton on CUDA, torch SDPA + the C kernels on CPU); "
         "flashinfer needs `pip install flashinfer-python` and a GPU"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
+    disable_overlap_schedule: bool | None = field(default=None, metadata=_h(
+        "run each step's forward on the scheduler's thread instead of overlapping it with the scheduling "
+        "of the next step and the processing of the previous one's tokens. Default: overlap on CUDA, "
+        "not on CPU (on 2 idle cores the scheduler's Python slows the forward's threads); "
+        "--no-disable-overlap-schedule turns it on there"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
     decode_threads: int | None = field(default=None, metadata=_h(
         "CPU threads for decode steps (default: num_threads); prefill keeps num_threads. Fewer than the "

@@ -62,6 +62,7 @@ class SchedulerServer:
             max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE, weight_version=e.weight_version,
             paused=e.paused or "", attention_backend=e.runner.attention_backend,
             cuda_graph=e.runner.cuda_graph_runner is not None and e.runner.cuda_graph_runner.enabled,
+            overlap_schedule=e.overlap is not None,
             lora_adapters=[LoraAdapter(a.weights.name, a.weights.path, a.pinned).to_pb()
                            for a in (e.lora.listing() if e.lora is not None else [])],
             max_loras_per_batch=e.lora.settings.max_loras_per_batch if e.lora is not None else 0,

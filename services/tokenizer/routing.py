@@ -30,6 +30,7 @@ class SchedulerView:
     in_flight: int = 0  # this tokenizer's live requests routed there (fresher than the last report)
     attention_backend: str = ""  # from GetSchedulerInfo on connect (server info only)
     cuda_graph: bool = False
+    overlap_schedule: bool = False
 
     @property
     def score(self) -> tuple[int, float]:
@@ -41,6 +42,7 @@ class SchedulerView:
         pb: api_pb2.SchedulerLoad = fields_to_pb(self.load, api_pb2.SchedulerLoad)
         pb.address, pb.connected = self.address, self.connected
         pb.attention_backend, pb.cuda_graph = self.attention_backend, self.cuda_graph
+        pb.overlap_schedule = self.overlap_schedule
         return pb
 
 

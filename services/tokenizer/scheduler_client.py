@@ -48,6 +48,7 @@ class SchedulerConnection:
         self.paused = ""  # the pause mode while paused (GetSchedulerInfo on connect, then PauseGeneration)
         self.attention_backend = ""  # GetSchedulerInfo on connect: reported in server info
         self.cuda_graph = False
+        self.overlap_schedule = False
         # Told the scheduler's LoRA adapters on every connect (the tokenizer's registry syncs: lora.py).
         self.on_lora_info: Callable[[SchedulerConnection, list[LoraAdapter]], None] | None = None
         self.channel = client_channel(address)
@@ -160,6 +161,7 @@ class SchedulerConnection:
             return
         self.weight_version, self.paused = info.weight_version or "default", info.paused
         self.attention_backend, self.cuda_graph = info.attention_backend, info.cuda_graph
+        self.overlap_schedule = info.overlap_schedule
         if self.on_lora_info is not None:
             self.on_lora_info(self, [LoraAdapter.from_pb(a) for a in info.lora_adapters])
 
@@ -222,7 +224,8 @@ class SchedulerPool:
         return conn.weight_version if conn is not None else "default"
 
     def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
-        return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0), c.attention_backend, c.cuda_graph)
+        return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0), c.attention_backend, c.cuda_graph,
+                              c.overlap_schedule)
                 for a, c in self.conns.items()]
 
     async def send(self, address: str, reqs: list[TokenizedReq]) -> None:

@@ -34,6 +34,14 @@ def test_cpu_layout_gives_the_scheduler_decode_threads_before_the_users_flags() 
     assert "--decode-threads" not in service_commands(cfg)[1][1][:-2]
 
 
+def test_disable_overlap_schedule_reaches_the_scheduler_only() -> None:
+    cmds = {flag: service_commands(parse_config(LauncherConfig, ["--model", "/m", *flag], env={}))
+            for flag in ((), ("--disable-overlap-schedule",), ("--no-disable-overlap-schedule",))}
+    for flag, cmd in cmds.items():
+        assert [a for a in cmd[1][1] if a.endswith("overlap-schedule")] == list(flag)  # unset: the scheduler's default
+        assert [c for n, c, _ in cmd if n != "scheduler"] == [c for n, c, _ in cmds[()] if n != "scheduler"]
+
+
 def test_restart_backoff_doubles_while_crashing_and_resets_after_healthy_service() -> None:
     b = RestartBackoff(first_s=1.0, max_s=30.0, reset_after_s=10.0)
     assert [b.next(0.5) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]  # a crash loop

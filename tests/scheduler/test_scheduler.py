@@ -224,12 +224,15 @@ def test_lpm_and_fcfs_give_the_same_greedy_tokens(model_dir: str, engine: Engine
 
 def test_step_profile_counts_steps_time_and_decode_rows(engine: Engine) -> None:
     st = engine.scheduler.stats
-    before = (st.prefill_steps, st.decode_steps, st.prefill_s, st.decode_s, st.decode_rows)
+    before = (st.prefill_steps, st.decode_steps, st.prefill_s, st.decode_s, st.decode_rows, st.dropped_tokens)
     outs = engine.generate([rand_ids(20, 40), rand_ids(30, 41)], greedy(max_new_tokens=5))
     steps_p, steps_d = st.prefill_steps - before[0], st.decode_steps - before[1]
     assert steps_p >= 1 and steps_d >= 4 and st.prefill_s > before[2] and st.decode_s > before[3]
-    # Each request's first token comes from its prefill, the other four from decode steps.
-    assert st.decode_rows - before[4] == sum(len(o.output_ids) - 1 for o in outs) == 8
+    # Each request's first token comes from its prefill, the other four from decode steps; with
+    # overlap scheduling each also decodes once more before its finish is known (dropped).
+    dropped = st.dropped_tokens - before[5]
+    assert dropped == (2 if engine.overlap is not None else 0)
+    assert st.decode_rows - before[4] - dropped == sum(len(o.output_ids) - 1 for o in outs) == 8
     load = engine.stats()  # the snapshot the metrics read
     assert (load.prefill_steps, load.decode_steps, load.decode_rows) == (st.prefill_steps, st.decode_steps,
                                                                          st.decode_rows)

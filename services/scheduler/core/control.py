@@ -48,7 +48,7 @@ class UpdateResult(NamedTuple):
 
 
 def abort_all(engine: Engine, message: str) -> int:
-    with engine._lock:
+    with engine.locked():
         gone = engine.scheduler.abort_all(message)
     for r in gone:
         log.info("rid=%s aborted (%s)", r.rid, message)
@@ -60,7 +60,7 @@ def pause(engine: Engine, mode: str) -> int:
     """Stop generating; returns the requests aborted, retracted or held (by mode)."""
     if mode not in PAUSE_MODES:
         raise InvalidArgument("mode", f"{mode!r} is not one of {', '.join(PAUSE_MODES)}")
-    with engine._lock:
+    with engine.locked():
         s = engine.scheduler
         if mode == "abort":
             gone = s.abort_all("generation paused (abort)")
@@ -77,7 +77,7 @@ def pause(engine: Engine, mode: str) -> int:
 
 
 def resume(engine: Engine) -> bool:
-    with engine._lock:
+    with engine.locked():
         was, engine.paused = engine.paused, None
     engine.wake()
     if was:
@@ -96,7 +96,7 @@ def update_weights(engine: Engine, model_path: str, load_format: str = "", abort
     except WeightUpdateError as e:
         return UpdateResult(False, str(e), 0, version)
     s = engine.scheduler
-    with engine._lock:
+    with engine.locked():
         if engine.paused == "in_place" and s.num_started():
             return UpdateResult(False, f"paused in_place with {s.num_started()} running request(s) holding KV of "
                                        "the old weights; pause with mode retract or abort first", 0, version)
@@ -108,7 +108,7 @@ def update_weights(engine: Engine, model_path: str, load_format: str = "", abort
     try:
         end = time.monotonic() + (drain_timeout_s or DRAIN_TIMEOUT_S)
         while True:
-            with engine._lock:
+            with engine.locked():
                 busy = 0 if engine.paused else s.num_started()
                 if not busy:
                     return _swap(engine, model_path, weight_version or model_path)
@@ -117,7 +117,7 @@ def update_weights(engine: Engine, model_path: str, load_format: str = "", abort
                                            "retry with abort_all_requests", 0, version)
             engine.inbox.wait(DRAIN_POLL_S, busy=False)  # the engine steps meanwhile; recheck
     finally:
-        with engine._lock:
+        with engine.locked():
             s.hold_new = False
         engine.wake()
 
@@ -155,7 +155,7 @@ def load_lora(engine: Engine, adapter: LoraAdapter) -> int:
     ResourceExhausted say why not."""
     lora = _lora(engine)
     weights = lora.read(adapter.name, adapter.path)  # slow: disk and checks, outside the step lock
-    with engine._lock:  # pinning fills a slot the forward reads
+    with engine.locked():  # pinning fills a slot the forward reads
         lora.add(weights, adapter.pinned)
         engine._update_load()
     return weights.rank
@@ -164,7 +164,7 @@ def load_lora(engine: Engine, adapter: LoraAdapter) -> int:
 def unload_lora(engine: Engine, name: str) -> None:
     """Forget an adapter and free its cached KV; FailedPrecondition while a request here uses it."""
     lora = _lora(engine)
-    with engine._lock:
+    with engine.locked():
         engine.recv()  # requests already submitted count as users (their adapter resolves in recv)
         uid = lora.resolve(name)
         users = [r.rid for r in engine.scheduler.live_reqs() if r.lora_uid == uid]

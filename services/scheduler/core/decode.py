@@ -59,7 +59,8 @@ class RunningBatch:
         req_to_token[rows, positions] = slots  # one indexed write for the whole batch
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64).to(device),  # [B]
+            input_ids=torch.tensor([r.output_ids[-1] if r.future_id is None else r.future_id for r in reqs],
+                                   dtype=torch.int64).to(device),  # [B], < 0: a placeholder (core/overlap.py)
             positions=positions,
             out_cache_loc=slots,
             req_pool_indices=rows,

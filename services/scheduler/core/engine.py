@@ -4,9 +4,13 @@ A step is one path (`step`): receive what the inbox holds -> schedule a batch ->
 model runner -> process the sampled tokens -> send this step's deltas. `run` is the engine thread
 around it: wait for work, step, hand each step's StepBatch to the push stream.
 
+With overlap scheduling (core/overlap.py, unless --disable-overlap-schedule) the forward runs on a
+worker while the step schedules the next batch and applies the previous one's tokens.
+
 Other threads only `submit` / `abort` / `abort_owner` / `request_resync` (they queue into the inbox,
-bounded) and read `load()` / `stats()` (snapshots taken after each step). `flush_cache` and `resync`
-take the step's lock, so they are safe from any thread. Knows nothing of gRPC.
+bounded) and read `load()` / `stats()` (snapshots taken after each step). `flush_cache`, `resync` and
+core/control.py take the step's lock through `locked`, so they are safe from any thread and see the
+scheduler's state current. Knows nothing of gRPC.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -30,6 +35,7 @@ from services.scheduler.core import prompt_logprobs
 from services.scheduler.core.finish import FinishChecker
 from services.scheduler.core.inbox import AbortOwner, AbortRid, Inbox, QueueFull, Resync
 from services.scheduler.core.outputs import GenerationResult, make_output
+from services.scheduler.core.overlap import Overlap
 from services.scheduler.core.prefill import default_chunk_size
 from services.scheduler.core.profiler import StepProfiler
 from services.scheduler.core.req import Req
@@ -104,6 +110,10 @@ class Engine:
             decode_interleave=not cfg.disable_decode_interleave,
             max_loras_per_batch=self.lora.settings.max_loras_per_batch if self.lora is not None else 0)
         self.inbox = Inbox(cfg.max_queued_requests, self.max_prompt_tokens)
+        overlap = (not cfg.disable_overlap_schedule if cfg.disable_overlap_schedule is not None
+                   else self.runner.device.type == "cuda")
+        self.overlap = Overlap(self.runner, self.scheduler) if overlap else None
+        log.info("overlap schedule: %s", "off" if self.overlap is None else "on")
         self._lock = threading.Lock()          # serializes step / flush / resync
         self._resyncs: list[tuple[str | None, list[TokenDelta]]] = []  # computed at a step's start
         self._load = Load(max_total_num_tokens=self.max_total_num_tokens)
@@ -160,11 +170,17 @@ class Engine:
     # -- the step (the engine thread) ------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
-        """One step: receive -> schedule -> forward -> process -> send (what it returns)."""
+        """One step: receive -> schedule -> forward -> process -> send (what it returns). With overlap:
+        receive -> schedule -> launch -> process the previous forward's tokens -> send."""
         with self._lock:
             self.recv()
+            ov = self.overlap
+            if ov is not None and ov.must_resolve_first():
+                ov.resolve()
             batch = None if self.paused else self.scheduler.schedule()  # paused: intake only
-            if batch is not None:
+            if ov is not None:
+                ov.run(batch)
+            elif batch is not None:
                 t0 = time.monotonic()
                 logits = prompt_logprobs.take(batch.reqs, batch.forward, self.runner.forward(batch.forward))  # [B, V]
                 self.scheduler.process_results(batch, self.scheduler.sample(batch, logits), time.monotonic() - t0)
@@ -231,7 +247,7 @@ class Engine:
     def release_idle(self) -> bool:
         """Once idle (IDLE_WAIT_S without work): return what the load grew (decode caches, allocator
         free lists) to the OS, so the process's RSS goes back to its idle level. False if busy again."""
-        with self._lock:
+        with self.locked():
             if self.has_work():
                 return False
             t0 = time.monotonic()
@@ -249,6 +265,16 @@ class Engine:
                 memory.MemoryItem("radix_cache", slots, 8 * self.max_total_num_tokens, "--max-total-tokens"),
                 self.grammar.memory_item()]
 
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """The step lock, with the forward in flight (overlap) resolved: the scheduler's state is
+        current, and nothing runs on the model until the lock is let go (control, flush, resync)."""
+        with self._lock:
+            if self.overlap is not None and self.overlap.pending:
+                self.overlap.resolve()  # its finishes go out with the next step
+                self._update_load()
+            yield
+
     def take_resyncs(self) -> list[tuple[str | None, list[TokenDelta]]]:
         with self._lock:
             out, self._resyncs = self._resyncs, []
@@ -257,7 +283,8 @@ class Engine:
     def wait_for_work(self, timeout: float) -> bool:
         """Block until there is something to do (or timeout); the engine thread's idle wait."""
         s = self.scheduler
-        busy = (s.has_outputs() if self.paused else s.has_work()) or self.profiler.pending
+        busy = ((s.has_outputs() if self.paused else s.has_work()) or self.profiler.pending
+                or (self.overlap is not None and self.overlap.pending))
         deadline = None if busy else self.grammar.next_deadline_s()  # a compile timeout must fire while idle
         return self.inbox.wait(timeout if deadline is None else min(timeout, deadline), busy)
 
@@ -309,12 +336,13 @@ class Engine:
 
     def has_work(self) -> bool:
         """Anything not finished: intake, queued, compiling a grammar, running or unsent output."""
-        return bool(self.inbox) or self.scheduler.has_work() or len(self.grammar) > 0
+        return (bool(self.inbox) or self.scheduler.has_work() or len(self.grammar) > 0
+                or (self.overlap is not None and self.overlap.pending))
 
     # -- control ---------------------------------------------------------------------------------
 
     def flush_cache(self) -> tuple[bool, str]:
-        with self._lock:
+        with self.locked():
             if self.has_work():
                 return False, "requests are running or queued"
             self.kv.flush()
@@ -324,7 +352,7 @@ class Engine:
 
     def resync(self, owner: str | None) -> list[TokenDelta]:
         """Full state (offset 0, all ids, params) of live and recently finished requests of owner (None: all)."""
-        with self._lock:
+        with self.locked():
             return self._resync(owner)
 
     def _resync(self, owner: str | None) -> list[TokenDelta]:
@@ -363,4 +391,6 @@ class Engine:
             if not self.scheduler.has_work():  # only grammars compiling: sleep until one is ready
                 self.wait_for_work(0.05)
             self.step()
+        with self.locked():  # the forward launched after the last finish: its tokens are dropped
+            pass
         return [GenerationResult.of(r) for r in reqs]

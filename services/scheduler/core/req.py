@@ -70,6 +70,9 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # Overlap scheduling (core/overlap.py): the placeholder (< 0) of a token sampled by a forward still
+    # in flight; the next decode step takes it as its input id, resolved where that forward runs.
+    future_id: int | None = None
     # The chosen token's logprob and its top alternatives, per output token (when asked for).
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)

@@ -42,7 +42,13 @@ from services.scheduler.grammar.glue import GrammarGlue
 from services.scheduler.kvcache.kv_manager import KVManager
 from services.scheduler.model_executor.forward_batch import ForwardBatch
 from services.scheduler.model_executor.model_runner import ModelRunner
-from services.scheduler.model_executor.sampling import LogitBias, SamplingBatchInfo, make_generator, sample
+from services.scheduler.model_executor.sampling import (
+    LogitBias,
+    SampleOutput,
+    SamplingBatchInfo,
+    make_generator,
+    sample,
+)
 
 RECENT_FINISHED_S = 60.0
 RECENT_FINISHED_MAX = 4096
@@ -61,6 +67,7 @@ class SchedulerStats:
     decode_steps: int = 0
     mixed_steps: int = 0           # prefill steps that also decoded the running batch
     finished: int = 0
+    dropped_tokens: int = 0        # sampled for requests that had finished meanwhile (overlap's one-step lag)
     # The step profile: seconds in forward + sampling + results, and requests per decode step.
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -74,6 +81,8 @@ class Batch:
     sample_rows: list[int]     # rows whose logits yield a token (not a mid-prompt chunk)
     is_prefill: bool
     num_decode: int = 0        # a mixed step: the last num_decode reqs are the running batch, decoding
+    # Set by `advance`: each prefilled request's KV length after this forward (what its results cache).
+    kv_ends: list[int] | None = None
 
 
 class Scheduler:
@@ -238,25 +247,55 @@ class Scheduler:
                            self.runner.vocab_size, self.device, self.runner.argmax, self.logit_bias)
 
     def process_results(self, batch: Batch, next_ids: list[int], elapsed: float) -> None:
-        now = time.monotonic()
+        """A forward's sampled ids, right after it ran: `advance` then `apply_results`."""
+        self.advance(batch)
+        self.apply_results(batch, next_ids, elapsed)
+
+    def advance(self, batch: Batch) -> None:
+        """What a forward does to the requests' KV, known before it runs: their KV lengths grow, and
+        the requests whose prompt is now complete join the running batch. Overlap scheduling calls
+        this at launch, so the next step is scheduled on it while the forward runs (core/overlap.py)."""
         if batch.is_prefill:
             prefilled = len(batch.reqs) - batch.num_decode
+            batch.kv_ends = []
             for req, n in zip(batch.reqs[:prefilled], batch.forward.extend_lens, strict=False):
                 req.kv_len += n
-                req.timings.prefill_s += elapsed
-                self.kv.cache_prefix(req)
+                batch.kv_ends.append(req.kv_len)
             for req in batch.reqs[prefilled:]:  # a mixed step's decode rows
                 req.kv_len += 1
-            still_running = [] if batch.num_decode else self.running.reqs  # mixed: all re-added below
-            self.stats.prefill_s += elapsed
+            joining = [batch.reqs[row] for row in batch.sample_rows if row < prefilled]
+            for req in joining:
+                req.status = ReqStatus.RUNNING
+            # A mixed step lists its prefills first: they stay first, as its sampled rows are ordered.
+            self.running.reqs = joining + self.running.reqs if batch.num_decode else self.running.reqs + joining
         else:
             for req in batch.reqs:
                 req.kv_len += 1
-            still_running = []
+
+    def apply_results(self, batch: Batch, next_ids: list[int], elapsed: float) -> None:
+        """The sampled ids of an advanced batch: append them, decide finishes (releasing KV), emit.
+        A request that finished or was aborted while the forward ran (overlap scheduling: its finish
+        was known one step late) drops its token."""
+        now = time.monotonic()
+        if batch.is_prefill:
+            assert batch.kv_ends is not None  # advance ran
+            for req, end in zip(batch.reqs, batch.kv_ends, strict=False):
+                req.timings.prefill_s += elapsed
+                if not req.finished:
+                    self.kv.cache_prefix(req, end)
+            self.stats.prefill_s += elapsed
+        else:
             self.stats.decode_s += elapsed
             self.stats.decode_rows += len(batch.reqs)
+        kept = 0
         for row, token in zip(batch.sample_rows, next_ids, strict=True):
             req = batch.reqs[row]
+            if req.finished:
+                self.stats.dropped_tokens += 1
+                continue
+            # Overlap scheduling resolves a forward before anything may retract its requests.
+            assert req.status == ReqStatus.RUNNING, f"rid={req.rid}: a token for a {req.status.value} request"
+            kept += 1
             if req.params.max_tokens == 0:  # a prompt scored, nothing generated (SGLang, OpenAI echo)
                 self.finish(req, Finish("length"))
                 continue
@@ -266,14 +305,13 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
                 continue
-            req.status = ReqStatus.RUNNING
-            still_running.append(req)
             # Every stream_interval tokens; the first token at once (TTFT), the finish above.
             unsent = len(req.output_ids) - req.sent_offset
             if req.stream and (req.sent_offset == 0 or unsent >= self.stream_interval):
                 self._emit.append(make_output(req))
-        self.stats.generated_tokens += len(next_ids)
-        self.running.reqs = still_running
+        self.stats.generated_tokens += kept
+        if len(self.running.reqs) and any(r.finished for r in self.running.reqs):
+            self.running.reqs = [r for r in self.running.reqs if not r.finished]
 
     def finish(self, req: Req, reason: Finish, cache: bool = True) -> None:
         req.finished_reason = reason
@@ -407,16 +445,29 @@ def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, fin
     if not reqs:
         return []
     grammar.mask(logits, reqs)
-    info = SamplingBatchInfo.build(
+    info = sampling_info(reqs, finisher, vocab_size, device, logit_bias)
+    out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs], argmax)
+    record_logprobs(reqs, out)
+    return out.next_token_ids
+
+
+def sampling_info(reqs: list[Req], finisher: FinishChecker, vocab_size: int, device: torch.device,
+                  logit_bias: LogitBias | None = None) -> SamplingBatchInfo:
+    """The requests' sampling state (params, generators, outputs so far, the min_new_tokens stop ids)
+    as one SamplingBatchInfo."""
+    return SamplingBatchInfo.build(
         [r.params for r in reqs], [r.generator for r in reqs], [r.output_ids for r in reqs],
         [r.origin_input_ids for r in reqs],
         # A grammar decides for itself when EOS may come; masking it too could leave no token.
         [set(finisher.stop_ids_for_min_tokens(r))
          if r.params.min_new_tokens > len(r.output_ids) and r.grammar is None else set() for r in reqs],
         vocab_size, device, logit_bias)
-    out = sample(logits, info, [r.return_logprob for r in reqs], [r.top_logprobs_num for r in reqs], argmax)
+
+
+def record_logprobs(reqs: list[Req], out: SampleOutput) -> None:
+    """Each request's logprobs of its sampled token, when asked for and the token is kept."""
     for r, lp, top in zip(reqs, out.logprobs, out.top_logprobs, strict=True):
-        if r.return_logprob and r.params.max_tokens:  # 0: the token is not kept (process_results)
+        # max_tokens 0: the token is not kept; finished: it finished while this forward ran (overlap).
+        if r.return_logprob and r.params.max_tokens and not r.finished:
             r.output_logprobs.append(lp)
             r.output_top_logprobs.append(top)
-    return out.next_token_ids

@@ -62,26 +62,29 @@ class KVManager:
         req.kv_len = 0 if prefix is None else int(prefix.numel())
         return True
 
-    def cache_prefix(self, req: Req) -> None:
+    def cache_prefix(self, req: Req, end: int | None = None) -> None:
         """Share what a running request has prefilled through the radix cache now, not at finish.
 
         Requests arriving while it still decodes (the same system prompt, the other samples of n > 1)
         then reuse its prompt. Tokens someone else cached meanwhile are deduplicated: the row points at
         the cached slots and ours go back to the pool. The request's lock moves to the deeper node.
+        end: cache only its first `end` tokens (default kv_len): with overlap scheduling, the KV the
+        forwards that have run wrote, not what a forward in flight is still writing.
         """
         row = req.req_pool_idx
-        if row is None or self.tree.disable or req.kv_len == 0:
+        n = req.kv_len if end is None else min(end, req.kv_len)
+        if row is None or self.tree.disable or n == 0:
             return
         n_prefix = 0 if req.prefix_indices is None else int(req.prefix_indices.numel())
-        if req.kv_len <= n_prefix:
+        if n <= n_prefix:
             return
-        ids = (req.origin_input_ids + req.output_ids)[: req.kv_len]
-        slots = self.req_pool.req_to_token[row, : req.kv_len].clone()  # [kv_len] int64
+        ids = (req.origin_input_ids + req.output_ids)[:n]
+        slots = self.req_pool.req_to_token[row, :n].clone()  # [n] int64
         already = self.tree.insert(ids, slots, req.lora_uid)
         if already > n_prefix:
             self.kv_pool.free(slots[n_prefix:already])
-        indices, node = self.tree.match_prefix(ids, req.lora_uid)  # [kv_len] canonical slots, node covers all of ids
-        self.req_pool.req_to_token[row, : req.kv_len] = indices
+        indices, node = self.tree.match_prefix(ids, req.lora_uid)  # [n] canonical slots, node covers all of ids
+        self.req_pool.req_to_token[row, :n] = indices
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
         req.prefix_indices, req.last_node = indices, node

@@ -39,6 +39,12 @@ class ReqToTokenPool:
         # valid slot, so a padded gather past a request's length stays in bounds (it is masked out).
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
         self._free_rows: list[int] = list(range(size - 1, -1, -1))  # pop() hands out row 0 first
+        # Overlap scheduling (core/overlap.py): rows freed while a launched forward may still read
+        # them wait here, tagged with that forward's number, until it has run. The scheduler writes a
+        # new request's row on its own thread, out of the forwards' order, so handing the row out
+        # at once could change what a forward in flight reads. `fence` 0: none in flight.
+        self.fence = 0
+        self._fenced: list[tuple[int, int]] = []  # (fence, row)
 
     def alloc(self) -> int | None:
         return self._free_rows.pop() if self._free_rows else None
@@ -46,13 +52,23 @@ class ReqToTokenPool:
     def free(self, idx: int) -> None:
         if not 0 <= idx < self.size:
             raise ValueError(f"row {idx} out of range [0, {self.size})")
-        self._free_rows.append(idx)
+        if self.fence:
+            self._fenced.append((self.fence, idx))
+        else:
+            self._free_rows.append(idx)
+
+    def passed(self, fence: int) -> None:
+        """The forward numbered `fence` (and every earlier one) has run: its rows are free."""
+        keep = [(f, row) for f, row in self._fenced if f > fence]
+        self._free_rows.extend(row for f, row in self._fenced if f <= fence)
+        self._fenced = keep
 
     def available_size(self) -> int:
         return len(self._free_rows)
 
     def clear(self) -> None:
         self._free_rows = list(range(self.size - 1, -1, -1))
+        self._fenced = []
 
 
 class TokenToKVPool:
