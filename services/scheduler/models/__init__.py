@@ -30,6 +30,11 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
+def supported_line() -> str:
+    """The README's list of served architectures (tests/test_docs.py checks it against this table)."""
+    return "Architectures served: " + ", ".join(f"`{a}`" for a in sorted(ARCHITECTURES)) + "."
+
+
 def check_architectures(archs: list[str], model: str) -> str:
     """The first of `archs` this scheduler serves; ModelError (one line) when none is."""
     for arch in archs:
