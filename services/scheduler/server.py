@@ -17,6 +17,7 @@ from services.scheduler.config import SchedulerServerConfig
 from services.scheduler.core.engine import Engine
 from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.memory import MemoryBudgetError
+from services.scheduler.models import ARCHITECTURES
 from services.scheduler.rpc.metrics import SchedulerMetrics
 from services.scheduler.rpc.pusher import DetokenizerPusher
 from services.scheduler.rpc.servicer import SchedulerServicer
@@ -45,7 +46,7 @@ class SchedulerServer:
             max_prefill_tokens=c.max_prefill_tokens, chunked_prefill_size=e.chunked_prefill_size,
             context_length=e.runner.context_length, schedule_policy=c.schedule_policy,
             max_queued_requests=c.max_queued_requests, page_size=PAGE_SIZE, weight_version=e.weight_version,
-            paused=e.paused or "")
+            paused=e.paused or "", architecture=e.runner.architecture, supported_architectures=sorted(ARCHITECTURES))
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up

@@ -46,6 +46,8 @@ class SchedulerConnection:
         self.load = Load()
         self.weight_version = "default"  # from GetSchedulerInfo on connect, then each weight update
         self.paused = ""  # the pause mode while paused (GetSchedulerInfo on connect, then PauseGeneration)
+        self.architecture = ""  # the model class served and all the scheduler can serve (GetSchedulerInfo)
+        self.supported_architectures: list[str] = []
         self.channel = client_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         # Items carry the session they were queued in: a request queued just before a break was
@@ -155,6 +157,7 @@ class SchedulerConnection:
                         e.code().name)
             return
         self.weight_version, self.paused = info.weight_version or "default", info.paused
+        self.architecture, self.supported_architectures = info.architecture, list(info.supported_architectures)
 
     async def flush_cache(self) -> tuple[bool, str]:
         try:
@@ -208,6 +211,13 @@ class SchedulerPool:
     def weight_version(self, address: str) -> str:
         conn = self.conns.get(address)
         return conn.weight_version if conn is not None else "default"
+
+    def architectures(self) -> tuple[str, list[str]]:
+        """(architecture served, architectures supported) as the first scheduler that answered says."""
+        for conn in self.conns.values():
+            if conn.architecture:
+                return conn.architecture, conn.supported_architectures
+        return "", []
 
     def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
         return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0)) for a, c in self.conns.items()]

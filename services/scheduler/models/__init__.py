@@ -32,7 +32,7 @@ ARCHITECTURES: dict[str, str] = {
 
 def supported_line() -> str:
     """The README's list of served architectures (tests/test_docs.py checks it against this table)."""
-    return "Architectures served: " + ", ".join(f"`{a}`" for a in sorted(ARCHITECTURES)) + "."
+    return "Architectures served: " + ", ".join(f"`{a}`" for a in sorted(ARCHITECTURES))
 
 
 def check_architectures(archs: list[str], model: str) -> str:
