@@ -10,7 +10,9 @@ per-expert tensors checkpoints hold (or from the stacked tensors themselves).
 
 Compute (`GroupedExperts.forward`): the T*k (token, expert) pairs are sorted by expert and each
 active expert runs one matmul pair over its rows, so a decode step of batch 1 reads only its k
-experts' weights and batch 64 reads each routed expert once.
+experts' weights and batch 64 reads each routed expert once. On CUDA the same grouping runs in a
+Triton grouped GEMM (`kernels/fused_moe.py`) that never syncs with the host, so decode steps of an
+MoE model are captured in CUDA graphs like any other.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H]; returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), [T, H]."""
+        if x.device.type == "cuda":  # one Triton kernel per projection, no host sync (CUDA graphs)
+            from services.scheduler.kernels.fused_moe import fused_experts
+
+            return fused_experts(x, self.gate_up_proj, self.down_proj, routing.weights, routing.ids)
         return self.grouped(x, routing)
 
     def grouped(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
