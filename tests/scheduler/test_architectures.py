@@ -14,7 +14,7 @@ from services.scheduler.model_executor.sampling import SamplingParams
 from services.scheduler.models import ARCHITECTURES
 from tests.random_models import CONFIGS, build
 
-NEW = 12
+NEW = 10
 TEXTS = ["Once upon a time", "def fibonacci(n):\n    return", "你好，世界！今天天气很好",
          "The quick brown fox jumps over the lazy dog. " * 3, "a", "import os\nimport sys\n"]
 NEW_ARCHS = ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Phi3ForCausalLM"]

@@ -1,33 +1,20 @@
 """The Triton MoE kernel (the CUDA path) on CPU under TRITON_INTERPRET=1, against the grouped torch
-path the CPU serves with; on a GPU (marked cuda) the same comparison in bfloat16."""
+path the CPU serves with; on a GPU (marked cuda) the same comparison in bfloat16.
+
+The interpreter is chosen when triton is first imported (torch and transformers import it too), so
+the interpreted checks run in a child process started with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
-import importlib
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
 from services.scheduler.models.moe import GroupedExperts, Routing, route
-
-
-@pytest.fixture(scope="module")
-def fused_moe():
-    """The kernel module loaded with the interpreter on (read when triton.jit decorates)."""
-    name = "services.scheduler.kernels.fused_moe"
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        sys.modules.pop(name, None)
-        yield importlib.import_module(name)
-    finally:
-        sys.modules.pop(name, None)  # a later CUDA test imports the compiled kernel
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+from tests.conftest import ROOT
 
 
 def experts(num_experts: int, hidden: int, inter: int, seed: int) -> GroupedExperts:
@@ -38,9 +25,11 @@ def experts(num_experts: int, hidden: int, inter: int, seed: int) -> GroupedExpe
     return m
 
 
-def test_align_lays_slots_out_by_expert_in_padded_blocks(fused_moe) -> None:
+def check_align() -> None:
+    from services.scheduler.kernels.fused_moe import align
+
     ids = torch.tensor([[3, 0], [3, 1], [0, 3]])
-    al = fused_moe.align(ids, num_experts=4, block_m=4)
+    al = align(ids, num_experts=4, block_m=4)
     n = ids.numel()
     assert al.slots.numel() == 4 * al.block_expert.numel() and al.slots.numel() >= n + 4 * 3
     # expert 0: slots 1, 4; expert 1: slot 3; expert 3: slots 0, 2, 5; then blocks past the end
@@ -48,14 +37,30 @@ def test_align_lays_slots_out_by_expert_in_padded_blocks(fused_moe) -> None:
     assert al.slots.view(-1, 4)[:3].tolist() == [[1, 4, n, n], [3, n, n, n], [0, 2, 5, n]]
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_triton_experts_equal_the_grouped_path(fused_moe, tokens: int) -> None:
+def check_kernel(tokens: int) -> None:
+    from services.scheduler.kernels.fused_moe import fused_experts
+
     m = experts(num_experts=8, hidden=40, inter=24, seed=tokens)  # widths off the block sizes: masks
     g = torch.Generator().manual_seed(100 + tokens)
     x = torch.randn(tokens, 40, generator=g)
     routing = route(torch.randn(tokens, 8, generator=g), top_k=2, renormalize=tokens % 2 == 0, dtype=x.dtype)
-    got = fused_moe.fused_experts(x, m.gate_up_proj, m.down_proj, routing.weights, routing.ids)
+    got = fused_experts(x, m.gate_up_proj, m.down_proj, routing.weights, routing.ids)
     torch.testing.assert_close(got, m.grouped(x, routing), atol=1e-4, rtol=1e-4)
+
+
+def check_all() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    check_align()
+    for tokens in (1, 7, 40):  # decode batch 1, a few rows, more rows than a block per expert
+        check_kernel(tokens)
+    print("fused_moe: all checks passed")
+
+
+def test_triton_kernel_under_the_interpreter_equals_the_grouped_path() -> None:
+    code = "from tests.scheduler.test_fused_moe import check_all; check_all()"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and "all checks passed" in out.stdout, out.stdout + out.stderr[-4000:]
 
 
 @pytest.mark.cuda
