@@ -64,19 +64,28 @@ def naive_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routin
     return out
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "c-kernel"])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-def test_grouped_experts_equal_the_per_token_definition(renormalize: bool, tokens: int) -> None:
-    from services.scheduler.models.moe import GroupedExperts, route
+def test_grouped_experts_equal_the_per_token_definition(renormalize: bool, tokens: int, native: bool) -> None:
+    """64 tokens x top-2 over 8 experts: some experts above SMALL_ROWS (BLAS), some below (C kernel)."""
+    from services.scheduler.kernels.cpu_kernels import load
+    from services.scheduler.models.moe import SMALL_ROWS, GroupedExperts, route
 
     g = torch.Generator().manual_seed(tokens)
     experts = GroupedExperts(num_experts=8, hidden=32, inter=16)
+    if native:
+        experts.native = load(None)
+        if experts.native is None:
+            pytest.skip("no C compiler: the native kernels are off")
     experts.gate_up_proj.data = torch.randn(8, 32, 32, generator=g) * 0.2
     experts.down_proj.data = torch.randn(8, 32, 16, generator=g) * 0.2
     x = torch.randn(tokens, 32, generator=g)
     routing = route(torch.randn(tokens, 8, generator=g), top_k=2, renormalize=renormalize, dtype=x.dtype)
     assert torch.allclose(routing.weights.sum(-1), torch.ones(tokens)) == renormalize
     assert routing.ids.unique().numel() <= 2 * tokens  # at batch 1 only two experts are read
+    counts = torch.bincount(routing.ids.reshape(-1), minlength=8)
+    assert tokens < 64 or (counts.max() > SMALL_ROWS and counts[counts > 0].min() <= SMALL_ROWS)
     want = naive_moe(x, experts.gate_up_proj, experts.down_proj, routing)
     torch.testing.assert_close(experts(x, routing), want, atol=1e-5, rtol=1e-5)
 

@@ -10,7 +10,8 @@ per-expert tensors checkpoints hold (or from the stacked tensors themselves).
 
 Compute (`GroupedExperts.forward`): the T*k (token, expert) pairs are sorted by expert and each
 active expert runs one matmul pair over its rows, so a decode step of batch 1 reads only its k
-experts' weights and batch 64 reads each routed expert once. On CUDA the same grouping runs in a
+experts' weights and batch 64 reads each routed expert once (CPU float32: experts of few rows on the
+C kernel `moe_gemm`, which reads each weight row once for all of them). On CUDA the same grouping runs in a
 Triton grouped GEMM (`kernels/fused_moe.py`) that never syncs with the host, so decode steps of an
 MoE model are captured in CUDA graphs like any other.
 """
@@ -26,6 +27,10 @@ from torch import nn
 
 from services.scheduler.kernels.cpu_kernels import NativeKernels
 from services.scheduler.models.llama import LlamaForCausalLM, LlamaMLP
+
+# Experts with at most this many rows in a step run on the C kernel (each weight row read once, dotted
+# with all of them); more rows: a BLAS GEMM per expert, which then amortises its reads.
+SMALL_ROWS = 16
 
 
 class Routing(NamedTuple):
@@ -65,21 +70,34 @@ class GroupedExperts(nn.Module):
         return self.grouped(x, routing)
 
     def grouped(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Sort the T*k pairs by expert; one gate_up and one down matmul per active expert."""
+        """Sort the T*k pairs by expert; per expert one gate_up and one down matmul over its rows. With
+        the C kernels, experts of few rows (decode) go through one moe_gemm call per projection."""
         t, k = routing.ids.shape
         flat = routing.ids.reshape(-1)                    # [T*k]
         order = torch.argsort(flat, stable=True)          # pair slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k                               # the token of each sorted pair
         xs = x.index_select(0, tokens)                    # [T*k, H]
-        out = torch.empty_like(xs)
-        start = 0
+        groups, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = xs[start:start + n]
-            out[start:start + n] = F.linear(self._act(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
-            start += n
+            if n:
+                groups.append((e, start, n))
+                start += n
+        small = [g for g in groups if g[2] <= SMALL_ROWS] if self.native is not None else []
+        large = [g for g in groups if g[2] > SMALL_ROWS] if self.native is not None else groups
+        h = xs.new_empty(xs.shape[0], 2 * self.inter)    # [T*k, 2I]
+        if small:
+            assert self.native is not None
+            self.native.moe_gemm(xs, self.gate_up_proj, small, h)
+        for e, r0, n in large:
+            h[r0:r0 + n] = F.linear(xs[r0:r0 + n], self.gate_up_proj[e])
+        act = self._act(h)                                # [T*k, I]
+        out = torch.empty_like(xs)
+        if small:
+            assert self.native is not None
+            self.native.moe_gemm(act, self.down_proj, small, out)
+        for e, r0, n in large:
+            out[r0:r0 + n] = F.linear(act[r0:r0 + n], self.down_proj[e])
         out.mul_(routing.weights.reshape(-1).index_select(0, order)[:, None])
         return torch.zeros_like(x).index_add_(0, tokens, out)
 
