@@ -9,7 +9,7 @@ ARGS ?=
 RESULTS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: run test proto model install lint bench bench-table bench-100m bench-engine soak chaos clean
+.PHONY: run test proto model install lint gpu-check bench bench-table bench-100m bench-engine bench-profile bench-ring soak chaos clean
 SOAK_S ?= 180
 CHAOS_S ?= 600
 CHAOS_SEED ?=
@@ -48,6 +48,12 @@ lint: proto
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# The device check (bench/gpu_check.py): one GPU, < 8 minutes by construction, nothing downloaded.
+# ARGS=--cpu-smoke runs every leg on CPU with tiny shapes.
+gpu-check: proto
+	$(PY) -m ringserve.default_model
+	$(PY) -m bench.gpu_check $(ARGS)
+
 bench: model
 	$(PY) -m bench $(ARGS)
 
@@ -62,6 +68,15 @@ bench-100m: model
 
 bench-engine: model
 	$(PY) -m bench.engine_bench $(ARGS)
+
+# Where a step's time goes by op (decode at batch 1/32/64, one prefill) against the GEMM rate; default model.
+bench-profile: model
+	$(PY) -m bench.op_profile $(ARGS)
+
+# The gateway, tokenizer and detokenizer's CPU per streamed token (scheduler on --synthetic-forward), vLLM's
+# API server beside them: about 5 minutes.
+bench-ring: model
+	$(PY) -m bench.ring_cpu $(ARGS)
 
 # 256 streaming clients for SOAK_S seconds through the gateway on MODEL (default: the tiny test model); `make test`
 # runs a one-minute version (test_soak_short).

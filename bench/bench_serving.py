@@ -46,9 +46,10 @@ def client_python() -> Path:
 
 
 def run(w: Workload, base_url: str, model_dir: Path, served_name: str, out_dir: Path,
-        backend: str = "vllm", timeout: float = 1800, warmup: bool = True) -> tuple[list[RequestRecord], float, dict]:
+        backend: str = "vllm", timeout: float = 1800, warmup: bool = True,
+        extra_body: dict | None = None) -> tuple[list[RequestRecord], float, dict]:
     """One bench_serving run (with its one warm-up request unless `warmup` is False); returns
-    (records, duration_s, bench_serving's own summary)."""
+    (records, duration_s, bench_serving's own summary). `extra_body` is merged into each request."""
     script, py = fetch_script(), client_python()
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"bench_serving-{w.name}-{int(time.time() * 1000)}.jsonl"
@@ -56,6 +57,8 @@ def run(w: Workload, base_url: str, model_dir: Path, served_name: str, out_dir: 
            "--served-model-name", served_name, "--tokenizer", str(model_dir), *w.bench_serving_args(),
            "--output-file", str(out_file), "--output-details", "--disable-tqdm",
            "--warmup-requests", "1" if warmup else "0"]
+    if extra_body:
+        cmd += ["--extra-request-body", json.dumps(extra_body)]
     if backend == "sglang" and w.dataset == "random-ids":
         # Send token ids, as the gRPC target does: the same prompt lengths, so the two measure the
         # gateway's overhead on the same work (text prompts re-tokenize to ~20% more tokens here).

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from bench.targets import TARGETS, RunResult
 
-COLORS = dict(zip(TARGETS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:cyan")))
+COLORS = dict(zip(TARGETS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:cyan",
+                            "tab:brown")))
 
 
 def _ok(results: list[RunResult]) -> list[RunResult]:

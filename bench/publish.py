@@ -34,7 +34,7 @@ PLOTS_DIR = "bench"  # under docs/, next to benchmarks.md, which links the plots
 
 # Column order of the tables, and what each target is called there.
 COLUMNS = {"vllm": "vLLM CPU", "gateway": "gateway `/v1/completions`", "native": "gateway `/generate`",
-           "grpc": "gRPC API", "engine": "engine in-process"}
+           "grpc": "gRPC API", "smg": "smg (SGLang's gateway) `/v1/completions`", "engine": "engine in-process"}
 # What a reader needs to know about each model `make bench` builds or fetches (results name it by directory).
 MODELS = {SMOLLM2_DIR_NAME: "the default model: 135M parameters, real weights, float32",
           "ringserve-tiny-llama": "the 4.5M-parameter random-weight model the tests use, not the default model",

@@ -19,11 +19,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench import bench_serving, grpc_client, step_profile
+from bench.server_proc import Server
 from bench.stats import RequestRecord, summarize
 from bench.venvs import ROOT, log
 from bench.workloads import Workload
+from ringserve.process import free_port
 
-TARGETS = ("gateway", "grpc", "engine", "vllm", "transformers", "native")
+TARGETS = ("gateway", "grpc", "engine", "vllm", "transformers", "native", "smg")
 DESCRIPTIONS = {
     "gateway": "ringserve, 4 processes, HTTP /v1/completions through the gateway (bench_serving)",
     "grpc": "ringserve, the tokenizer's gRPC Generate directly (own async client, input_ids)",
@@ -32,12 +34,14 @@ DESCRIPTIONS = {
     "transformers": "bench/engine_bench.py (the engine in process against transformers generate)",
     "native": "ringserve, SGLang-native /generate through the gateway (bench_serving --backend sglang, "
               "token-id prompts on random-ids workloads: the same requests as grpc)",
+    "smg": "SGLang's gateway (smg 1.13) in front of ringserve's scheduler (its --sglang-grpc-port, the same "
+           "scheduler process the gateway target uses), OpenAI /v1/completions (bench_serving)",
 }
-RINGSERVE_TARGETS = ("gateway", "native", "grpc")
+RINGSERVE_TARGETS = ("gateway", "native", "grpc", "smg")
 REPEAT_SEED_STEP = 7919  # workload seeds are small and distinct; repeats step far away from them
 # gateway and native both draw prompts from bench_serving on one server: with the same seed native
 # would find every prompt in the prefix cache the gateway's runs left behind.
-SEED_OFFSETS = {"native": 104729}
+SEED_OFFSETS = {"native": 104729, "smg": 130363}  # smg too: it runs on the same scheduler
 
 
 @dataclass
@@ -113,12 +117,17 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
                   stream_interval: int = 1, repeats: int = 1) -> None:
     from bench.ringserve_server import start_ringserve
 
+    sched_args = f"--stream-interval {stream_interval}"
+    sglang_port = free_port()
+    if "smg" in targets:
+        sched_args += f" --sglang-grpc-port {sglang_port}"  # smg's worker: the same scheduler
     try:
-        rs = start_ringserve(model, extra=["--scheduler-args", f"--stream-interval {stream_interval}"])
+        rs = start_ringserve(model, extra=["--scheduler-args", sched_args])
     except Exception as e:
         _fail_all(targets, model, wls, "failed", f"ringserve did not start: {str(e)[-1200:]}", emit)
         return
     profile = lambda: step_profile.scrape(rs.scheduler_metrics)  # noqa: E731
+    smg = _start_smg(targets, model, wls, f"127.0.0.1:{sglang_port}", emit)
     try:
         for w in wls:
             if "gateway" in targets:
@@ -131,8 +140,40 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
             if "grpc" in targets:
                 _measure("grpc", model, w, lambda wr, warm: grpc_client.run(wr, rs.grpc_target, model, warm), emit,
                          repeats, profile)
+            if smg is not None:
+                # bench_serving sends best_of=1, which smg refuses on a stream; null is its default
+                _measure("smg", model, w, lambda wr, warm: bench_serving.run(
+                    wr, smg[1], model, smg[2], out / "raw", warmup=warm, extra_body={"best_of": None})[:2],
+                    emit, repeats, profile)
     finally:
+        if smg is not None:
+            smg[0].stop()
         rs.server.stop()
+
+
+def _start_smg(targets: list[str], model: Path, wls: list[Workload], worker: str,
+               emit: Emit) -> tuple[Server, str, str] | None:
+    """smg in front of the scheduler's SGLang-protocol port: (its server, URL, the model name it
+    serves), or None (not selected, or reported skipped / failed)."""
+    if "smg" not in targets:
+        return None
+    from bench.smg_server import model_id, smg_binary, smg_cmd, wait_ready
+
+    if smg_binary() is None:
+        _fail_all(["smg"], model, wls, "skipped", "smg is not installed (pip install smg==1.13.0)", emit)
+        return None
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # Readiness is its /readiness (wait_ready), not a line: the marker is unused.
+    server = Server("smg", smg_cmd([worker], str(model), port), marker="Router ready", stop_timeout=10)
+    try:
+        server.proc.start()
+        wait_ready(server.proc, url, timeout=120)
+        return server, url, model_id(url)
+    except Exception as e:
+        server.stop()
+        _fail_all(["smg"], model, wls, "failed", f"smg did not start: {str(e)[-1200:]}", emit)
+        return None
 
 
 def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_interval: int = 1,

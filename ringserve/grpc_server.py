@@ -149,8 +149,11 @@ class GrpcService:
 
     def __init__(self, name: str, address: str, service_names: Iterable[str],
                  add_servicers: Callable[[grpc.aio.Server], None],
-                 tls: tls_mod.TlsConfig | None = None) -> None:
+                 tls: tls_mod.TlsConfig | None = None, handle_signals: bool = True) -> None:
+        """handle_signals: SIGTERM/SIGINT set `stopping`. A loop holds one handler per signal, so a
+        process with a second server on another port leaves it False there and drains both itself."""
         self.name = name
+        self.handle_signals = handle_signals
         self.address = address
         self.tls = tls or tls_mod.current()
         self.health = health.aio.HealthServicer()
@@ -175,7 +178,7 @@ class GrpcService:
         await self.server.start()
         await self.set_serving(False)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if self.handle_signals else ():
             try:
                 loop.add_signal_handler(sig, self.stopping.set)
             except (RuntimeError, ValueError):

@@ -37,6 +37,9 @@ class EngineConfig:
     context_length: int | None = field(default=None, metadata=_h("override the model's context length"))
     disable_cuda_graph: bool = field(default=False, metadata=_h("run decode eagerly on CUDA"))
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
+    attention_backend: str | None = field(default=None, metadata=_h(
+        "triton, flashinfer or torch (default: triton on CUDA, torch SDPA + the C kernels on CPU); "
+        "flashinfer needs `pip install flashinfer-python` and a GPU"))
     disable_radix_cache: bool = field(default=False, metadata=_h("turn off prefix caching"))
     num_threads: int | None = field(default=None, metadata=_h("torch CPU threads (default: torch's choice)"))
     decode_threads: int | None = field(default=None, metadata=_h(
@@ -60,6 +63,10 @@ class EngineConfig:
         "CPU decode: MiB for the dense per-request K/V copies (a quarter more for shared prefixes); "
         "beyond it decode gathers from the pool (slower). Default: twice the KV pool, at least 1024"))
 
+    synthetic_forward: bool = field(default=False, metadata=_h(
+        "benchmarking only: skip the model's forward and emit fixed pseudo-random tokens (never EOS), so "
+        "the gateway, tokenizer and detokenizer can be driven at their limit (bench/ring_cpu.py)"))
+
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not fcfs or lpm")
@@ -73,6 +80,8 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size: must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens: must be >= 2")
+        if self.attention_backend is not None and self.attention_backend not in ("triton", "flashinfer", "torch"):
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not triton, flashinfer or torch")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} is not xgrammar or none")
         if not self.grammar_compile_timeout_s > 0:
@@ -92,7 +101,12 @@ class SchedulerServerConfig(EngineConfig, TlsConfig):
     host: str = field(default="127.0.0.1", metadata=_h("gRPC bind address"))
     port: int = field(default=50052, metadata=_h("gRPC port"))
     metrics_port: int = field(default=9092, metadata=_h("Prometheus /metrics port; -1 disables"))
-    detokenizer: str = field(default="127.0.0.1:50053", metadata=_h("detokenizer HOST:PORT to push to"))
+    detokenizer: str = field(default="127.0.0.1:50053", metadata=_h(
+        "detokenizer HOST:PORT to push to; empty: none (a scheduler driven only through "
+        "--sglang-grpc-port, whose client detokenizes, is SERVING without one)"))
+    sglang_grpc_port: int | None = field(default=None, metadata=_h(
+        "also serve SGLang's scheduler protocol (sglang.grpc.scheduler.SglangScheduler, what SGLang's "
+        "gateway smg drives; SGLang's own --grpc-mode) on this port; unset: off"))
     scheduler_id: str = field(default="", metadata=_h("id sent to the detokenizer (default: host-pid)"))
     grace_period_s: float = field(default=30.0, metadata=_h("on SIGTERM, time given to running requests"))
     load_report_interval_s: float = field(default=0.5, metadata=_h("LoadReport period on Connect streams"))
@@ -100,6 +114,10 @@ class SchedulerServerConfig(EngineConfig, TlsConfig):
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
         TlsConfig.__post_init__(self)
+        if self.sglang_grpc_port is not None and not 0 <= self.sglang_grpc_port <= 65535:
+            raise ValueError(f"sglang_grpc_port: {self.sglang_grpc_port} is not a port")
+        if not self.detokenizer and self.sglang_grpc_port is None:
+            raise ValueError("detokenizer: empty only with --sglang-grpc-port (outputs must go somewhere)")
 
     @property
     def engine(self) -> EngineConfig:

@@ -28,6 +28,8 @@ class SchedulerView:
     connected: bool
     load: Load
     in_flight: int = 0  # this tokenizer's live requests routed there (fresher than the last report)
+    attention_backend: str = ""  # from GetSchedulerInfo on connect (server info only)
+    cuda_graph: bool = False
 
     @property
     def score(self) -> tuple[int, float]:
@@ -38,6 +40,7 @@ class SchedulerView:
         """The public SchedulerLoad (server info): the connection and every Load field it has."""
         pb: api_pb2.SchedulerLoad = fields_to_pb(self.load, api_pb2.SchedulerLoad)
         pb.address, pb.connected = self.address, self.connected
+        pb.attention_backend, pb.cuda_graph = self.attention_backend, self.cuda_graph
         return pb
 
 

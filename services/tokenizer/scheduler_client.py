@@ -46,6 +46,8 @@ class SchedulerConnection:
         self.load = Load()
         self.weight_version = "default"  # from GetSchedulerInfo on connect, then each weight update
         self.paused = ""  # the pause mode while paused (GetSchedulerInfo on connect, then PauseGeneration)
+        self.attention_backend = ""  # GetSchedulerInfo on connect: reported in server info
+        self.cuda_graph = False
         self.architecture = ""  # the model class served and all the scheduler can serve (GetSchedulerInfo)
         self.supported_architectures: list[str] = []
         self.channel = client_channel(address)
@@ -157,6 +159,7 @@ class SchedulerConnection:
                         e.code().name)
             return
         self.weight_version, self.paused = info.weight_version or "default", info.paused
+        self.attention_backend, self.cuda_graph = info.attention_backend, info.cuda_graph
         self.architecture, self.supported_architectures = info.architecture, list(info.supported_architectures)
 
     async def flush_cache(self) -> tuple[bool, str]:
@@ -220,7 +223,8 @@ class SchedulerPool:
         return "", []
 
     def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
-        return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0)) for a, c in self.conns.items()]
+        return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0), c.attention_backend, c.cuda_graph)
+                for a, c in self.conns.items()]
 
     async def send(self, address: str, reqs: list[TokenizedReq]) -> None:
         conn = self.conns.get(address)

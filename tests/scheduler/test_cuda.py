@@ -105,8 +105,9 @@ def test_bf16_close_to_cpu_reference(model_path: str, prompts) -> None:
 
 @pytest.mark.parametrize("bs", [1, 3, 8, 13])
 def test_graph_replay_equals_eager(model_path: str, bs: int) -> None:
+    # torch SDPA: its graphs are keyed by KV-length buckets, which this test crosses (Triton needs none).
     gpu = ModelRunner(model_path, device="cuda", max_total_tokens=16384, max_running_requests=16,
-                      cuda_graph_max_bs=16)
+                      cuda_graph_max_bs=16, attention_backend="torch")
     g = torch.Generator().manual_seed(bs)
     # Lengths cross the first KV bucket (256) so a second bucket's graph is captured lazily.
     prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist()

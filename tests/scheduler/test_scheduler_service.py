@@ -5,12 +5,13 @@ from __future__ import annotations
 import queue
 import signal
 import threading
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ringserve.process import ServiceProcess, free_port, python_cmd
+from ringserve.process import ServiceProcess, free_port, python_cmd, wait_grpc_serving
 from ringserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import EngineConfig
 from services.scheduler.core.engine import Engine
@@ -73,14 +74,15 @@ def expected(model_dir: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def stack(model_dir: str):
-    detok_port, port = free_port(), free_port()
+    detok_port, port, sglang_port = free_port(), free_port(), free_port()
     detok = FakeDetokenizer(detok_port)
     proc = ServiceProcess("scheduler", python_cmd(
         "services.scheduler", "--port", str(port), "--metrics-port", "-1", "--model", model_dir,
         "--detokenizer", f"127.0.0.1:{detok_port}", "--scheduler-id", "sched-test", "--max-total-tokens", "4000",
-        "--max-queued-requests", "4", "--load-report-interval-s", "0.1", "--grace-period-s", "5")).start()
+        "--max-queued-requests", "4", "--load-report-interval-s", "0.1", "--grace-period-s", "5",
+        "--sglang-grpc-port", str(sglang_port))).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    box = {"detok": detok}
+    box: dict[str, Any] = {"detok": detok, "sglang": f"127.0.0.1:{sglang_port}"}
     try:
         proc.wait_serving(f"127.0.0.1:{port}", timeout=120)
         yield proc, channel, box, port
@@ -180,6 +182,33 @@ def test_detokenizer_restart_triggers_resync(stack) -> None:
     tok2 = FakeTokenizer(stub, "tok-r2")
     tok2.wait_load(lambda ld: ld.num_running_reqs == 0)
     tok2.close()
+
+
+def test_sglang_port_serves_while_the_detokenizer_is_down(stack, expected) -> None:
+    """Outputs of SGLang-protocol requests go back on their own call: that port stays SERVING and
+    answers while the push stream is down, and none of its requests reaches the detokenizer."""
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as sg
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sg_grpc
+
+    proc, channel, box, port = stack
+    box["detok"].stop()
+    health = health_pb2_grpc.HealthStub(channel)
+    for resp in health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30):
+        if resp.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+    wait_grpc_serving(box["sglang"], 10, service="sglang.grpc.scheduler.SglangScheduler")
+    with grpc.insecure_channel(box["sglang"]) as ch:
+        stub = sg_grpc.SglangSchedulerStub(ch)
+        assert stub.HealthCheck(sg.HealthCheckRequest(), timeout=10).healthy
+        req = sg.GenerateRequest(request_id="direct", tokenized=sg.TokenizedInput(input_ids=PROMPTS[0]),
+                                 sampling_params=sg.SamplingParams(temperature=0, top_p=1, top_k=-1, n=1,
+                                                                   max_new_tokens=8, ignore_eos=True))
+        (done,) = [m.complete for m in stub.Generate(req, timeout=30)]
+    assert done.finish_reason == "length" and list(done.output_ids) == expected[0]
+    box["detok"] = detok = FakeDetokenizer(box["detok"].port)
+    first = detok.wait_for(lambda bs: bs[0] if bs else None)
+    assert first.resync and not any("direct" in d.rid for b in detok.batches for d in b.deltas)
+    proc.wait_serving(f"127.0.0.1:{port}", timeout=30)
 
 
 def test_sigterm_drains_and_exits_zero(stack) -> None:

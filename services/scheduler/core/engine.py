@@ -76,7 +76,8 @@ class Engine:
             disable_cuda_graph=cfg.disable_cuda_graph, num_threads=cfg.num_threads, decode_threads=cfg.decode_threads,
             cpu_kernels=not cfg.disable_cpu_kernels, kernel_cache=cfg.kernel_cache,
             decode_cache_bytes=None if cfg.decode_cache_mib is None else cfg.decode_cache_mib << 20,
-            other_bounds=grammar_bound)
+            attention_backend=cfg.attention_backend, other_bounds=grammar_bound,
+            synthetic_forward=cfg.synthetic_forward)
         self.tokenizer = TextTokenizer.from_model(cfg.model)
         self.tree = RadixCache(self.runner.token_to_kv_pool, self.runner.device, disable=cfg.disable_radix_cache)
         self.kv = KVManager(self.runner.req_to_token_pool, self.runner.token_to_kv_pool, self.tree)

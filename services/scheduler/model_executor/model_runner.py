@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,11 +37,17 @@ class ModelRunner:
                  cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
                  num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
                  kernel_cache: str | None = None, decode_cache_bytes: int | None = None,
-                 other_bounds: Sequence[memory.Bound] = ()) -> None:
+                 attention_backend: str | None = None, emulate_cuda_graph: bool = False,
+                 other_bounds: Sequence[memory.Bound] = (), synthetic_forward: bool = False) -> None:
         """other_bounds: host memory the caller will allocate besides the
-        runner's (the grammar cache), for the startup memory check."""
+        runner's (the grammar cache), for the startup memory check. attention_backend: triton,
+        flashinfer or torch (None: triton on CUDA when it imports, else torch). emulate_cuda_graph:
+        run the CUDA-graph logic on any device with recorded functions in place of graphs (tests).
+        synthetic_forward: `forward` skips the model and returns logits that pick `synthetic_tokens`
+        (benchmarks of the services around the scheduler; the pools and the scheduling are real)."""
         t0 = time.monotonic()
         self.model_path = model_path
+        self.synthetic_forward = synthetic_forward
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -86,15 +94,19 @@ class ModelRunner:
         logger.info("KV pool: %d tokens (%.1f MiB), %d request rows", self.max_total_num_tokens,
                     self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 2**20,
                     max_running_requests + 1)
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
         self.attn_backend = self._make_attn_backend()
 
         self.cuda_graph_runner = None
-        if self.device.type == "cuda" and not disable_cuda_graph and cuda_graph_max_bs > 0:
+        if (self.device.type == "cuda" or emulate_cuda_graph) and not disable_cuda_graph and cuda_graph_max_bs > 0:
             from services.scheduler.model_executor.cuda_graph import CudaGraphRunner
 
             t1 = time.monotonic()
-            self.cuda_graph_runner = CudaGraphRunner(self, cuda_graph_max_bs)
+            self.cuda_graph_runner = CudaGraphRunner(self, cuda_graph_max_bs, emulate=emulate_cuda_graph)
             logger.info("CUDA graphs: captured bs up to %d in %.1fs", cuda_graph_max_bs, time.monotonic() - t1)
+        if synthetic_forward:
+            logger.warning("synthetic forward: the model is not run; every step emits fixed pseudo-random tokens "
+                           "(for benchmarks of the services, never for serving)")
         logger.info("model runner ready in %.1fs", time.monotonic() - t0)
 
     # ---- setup ----
@@ -120,8 +132,23 @@ class ModelRunner:
             logger.info("linear layers: %d on oneDNN with packed weights", cpu_linear.pack_linears(model))
         return model.eval()
 
-    def _make_attn_backend(self) -> TorchSDPABackend:
-        # torch SDPA on CPU and CUDA alike (a flashinfer backend is not written yet; see attention.py).
+    def _make_attn_backend(self) -> Any:
+        name = self.attention_backend
+        if name == "triton":
+            from services.scheduler.attention.triton_backend import TritonAttnBackend
+
+            logger.info("attention backend: triton (paged, split-K decode)")
+            # 16 splits fill an H200's SMs at small batches; on CPU (the interpreter, in tests) fewer
+            # programs keep it fast.
+            return TritonAttnBackend(self.req_to_token_pool, self.token_to_kv_pool,
+                                     self.num_heads, self.num_kv_heads, self.head_dim,
+                                     num_splits=16 if self.device.type == "cuda" else 2)
+        if name == "flashinfer":
+            from services.scheduler.attention.flashinfer_backend import FlashInferAttnBackend
+
+            logger.info("attention backend: flashinfer")
+            return FlashInferAttnBackend(self.req_to_token_pool, self.token_to_kv_pool,
+                                         self.num_heads, self.num_kv_heads, self.head_dim)
         logger.info("attention backend: torch SDPA%s", ", decode and prefill on the C kernels" if self.native else "")
         return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
                                 self.num_heads, self.num_kv_heads, self.head_dim, native=self.native,
@@ -202,9 +229,24 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] float32 of each request's last new token (with batch.logit_rows: of each
         request's last logit_rows[b] new tokens, [sum(logit_rows), V])."""
+        if self.synthetic_forward:
+            return self.synthetic_logits(batch)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
             return self.cuda_graph_runner.replay(batch)
         return self.forward_eager(batch)
+
+    def synthetic_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [R, V] float32 (R as `forward`) that put all the mass on `synthetic_tokens` of each
+        logit row: greedy and sampled requests alike get those tokens, so a run is repeatable."""
+        if batch.mode == ForwardMode.DECODE:
+            ids, pos = batch.input_ids, batch.positions  # [B]
+        else:
+            index = _logit_index(batch.extend_lens, batch.logit_rows, self.device)
+            ids = batch.input_ids if index is None else batch.input_ids.index_select(0, index)  # [R]
+            pos = batch.positions if index is None else batch.positions.index_select(0, index)
+        logits = torch.full((ids.shape[0], self.vocab_size), -1e4, dtype=torch.float32, device=self.device)
+        logits.scatter_(1, synthetic_tokens(ids, pos, self.vocab_size, self.eos_token_ids).unsqueeze(1), 0.0)
+        return logits
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
@@ -246,6 +288,23 @@ class ModelRunner:
             self.req_to_token_pool.free(row)
 
 
+# Synthetic tokens avoid the low ids, where tokenizers keep their special and byte tokens.
+SYNTHETIC_LOW_ID = 256
+
+
+def synthetic_tokens(ids: torch.Tensor, positions: torch.Tensor, vocab_size: int,
+                     eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """[R] int64 next tokens as a fixed function of (last token, its position): ordinary vocabulary
+    (never EOS, never the low ids), different from step to step, the same on every run."""
+    low = min(SYNTHETIC_LOW_ID, vocab_size // 2)
+    span = vocab_size - low
+    mixed = (ids * 7919 + positions * 104729) % 2147483647
+    out = (mixed * 48271) % 2147483647 % span + low  # [R]; one Lehmer (MINSTD) step spreads it out
+    for eos in eos_token_ids:
+        out = torch.where(out == eos, low + (out + 1 - low) % span, out)
+    return out
+
+
 def _logit_index(extend_lens: list[int], logit_rows: list[int] | None, device: torch.device) -> torch.Tensor | None:
     """[R] int64 rows of the packed tokens whose logits are wanted; None when that is every row."""
     rows = logit_rows or [1] * len(extend_lens)
@@ -267,6 +326,33 @@ def _weights_bytes(model: torch.nn.Module) -> int:
             seen.add(id(t))
             total += t.nbytes
     return total
+
+
+ATTENTION_BACKENDS = ("triton", "flashinfer", "torch")
+
+
+def resolve_attention_backend(name: str | None, device: torch.device) -> str:
+    """The backend a runner on `device` uses for --attention-backend `name` (None: the default).
+    Raises ValueError naming the flag when the choice cannot run here."""
+    if name is not None and name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: {name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name is None:
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("attention_backend: triton is not installed (pip install triton)")
+        # On CPU the kernels run only in Triton's interpreter: far too slow to serve, but how the tests
+        # run the backend end to end without a GPU.
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend: triton needs a CUDA device (on CPU only under TRITON_INTERPRET=1)")
+    if name == "flashinfer":
+        from services.scheduler.attention.flashinfer_backend import available
+
+        why = available() if device.type == "cuda" else "needs a CUDA device"
+        if why is not None:
+            raise ValueError(f"attention_backend: flashinfer {why}")
+    return name
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from ringserve.errors import InvalidArgument, ServiceError, Unavailable
+from ringserve.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from ringserve.message import TokenizedReq
 from ringserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.core import control
@@ -35,6 +35,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.load_interval_s = load_interval_s
         self.draining = False   # refuse new requests (SIGTERM)
         self.closing = False    # end Connect streams (drain finished)
+        self.ring = True        # a detokenizer is configured (without one, outputs of Connect could go nowhere)
 
     def _engine(self) -> Engine:
         engine = self._get_engine()
@@ -45,6 +46,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def Connect(self, request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
         engine = self._engine()
+        if not self.ring:
+            raise FailedPrecondition("this scheduler has no detokenizer (--detokenizer is empty); it serves "
+                                     "SGLang's protocol on --sglang-grpc-port only")
         try:
             first = await anext(aiter(request_iterator))
         except StopAsyncIteration:

@@ -1,0 +1,239 @@
+"""Where a real step's time goes: the engine's decode steps at several batch sizes and one prefill, by op.
+
+    python -m bench.op_profile [--model smollm2-135m-instruct] [--batches 1,32,64] [--context 384]
+                               [--prefill 512] [--steps 6] [--dtype auto]
+
+Runs the scheduler's Engine in this process on the model (float32 on CPU unless --dtype), brings
+`b` requests of `context` prompt tokens into the running batch, then times `steps` decode steps
+with a timer around each op family: the linears (by projection), attention (the backend, K/V store
+included), rotary, the norms (with their residual adds), the embedding, sampling; "other in the
+forward" is what the model does between them (activation, views, adds), "scheduling" the step
+outside the forward and sampling. A timed call inside another is counted once, in the outer one.
+
+Beside each linear row: the same matmuls as plain `F.linear` calls on fresh tensors (float32 and,
+where the CPU has AVX512-BF16 or AMX, bfloat16), so the step can be read against the machine's GEMM
+rate: "step / linears at the GEMM rate" is the ratio the speed issue asks to bring under 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.model_info import resolve
+from ringserve.model_source import DEFAULT_MODEL
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX in /proc/cpuinfo (where oneDNN runs bfloat16 GEMMs natively)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass
+class Timers:
+    """Seconds per op family; only the outermost timed call of a nest counts."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    depth: int = 0
+
+    def wrap(self, obj: Any, attr: str, family: str) -> None:
+        inner: Callable[..., Any] = getattr(obj, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:
+                return inner(*args, **kwargs)
+            self.depth += 1
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[family] += time.perf_counter() - t0
+                self.depth -= 1
+
+        setattr(obj, attr, timed)  # an instance attribute: shadows the method (nn.Module.__call__ too)
+
+
+def instrument(engine: Any) -> tuple[Timers, dict[str, float]]:
+    """Timers around the model's op families, and a separate total for the forward and the step."""
+    timers = Timers()
+    runner, model = engine.runner, engine.runner.model
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in LINEARS:
+            timers.wrap(m, "forward", f"linear {leaf}")
+        elif type(m).__name__ == "RMSNorm":
+            timers.wrap(m, "add_norm", "norms")
+            timers.wrap(m, "forward", "norms")
+    if model.lm_head is not None:
+        timers.wrap(model.lm_head, "forward", "linear lm_head")
+    timers.wrap(model.embed_tokens, "forward", "embedding")
+    timers.wrap(runner.attn_backend, "forward", "attention")
+    timers.wrap(model.rotary, "apply", "rotary")
+    timers.wrap(engine.scheduler, "sample", "sampling")
+    totals: dict[str, float] = defaultdict(float)
+    for obj, attr, key in ((runner, "forward", "forward"), (engine, "step", "step")):
+        inner = getattr(obj, attr)
+
+        def total(*args: Any, _inner: Callable[..., Any] = inner, _key: str = key, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                totals[_key] += time.perf_counter() - t0
+        setattr(obj, attr, total)
+    return timers, totals
+
+
+def linear_shapes(model: torch.nn.Module) -> dict[str, list[tuple[int, int]]]:
+    """(in, out) of every linear by family, one entry per layer (the lm_head: the embedding's when tied)."""
+    shapes: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in LINEARS:
+            out_f, in_f = m.weight.shape
+            shapes[f"linear {leaf}"].append((in_f, out_f))
+    embed = model.get_submodule("embed_tokens")
+    assert isinstance(embed, torch.nn.Embedding)
+    vocab, hidden = embed.weight.shape
+    shapes["linear lm_head"].append((hidden, vocab))
+    return shapes
+
+
+def gemm_seconds(rows: int, shape: tuple[int, int], dtype: torch.dtype, reps: int = 5) -> float:
+    """Best of `reps` F.linear calls [rows, in] x [out, in]^T on fresh tensors (after one warm-up)."""
+    x = torch.randn(rows, shape[0], dtype=dtype)
+    w = torch.randn(shape[1], shape[0], dtype=dtype)
+    F.linear(x, w)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm_table(shapes: dict[str, list[tuple[int, int]]], rows: dict[str, int],
+               dtypes: list[torch.dtype]) -> dict[str, dict[torch.dtype, float]]:
+    """Seconds per step of each linear family at the GEMM rate (one timing per distinct shape)."""
+    cache: dict[tuple[int, tuple[int, int], torch.dtype], float] = {}
+    out: dict[str, dict[torch.dtype, float]] = {}
+    for family, family_shapes in shapes.items():
+        out[family] = {}
+        for dt in dtypes:
+            total = 0.0
+            for s in family_shapes:
+                key = (rows[family], s, dt)
+                if key not in cache:
+                    cache[key] = gemm_seconds(rows[family], s, dt)
+                total += cache[key]
+            out[family][dt] = total
+    return out
+
+
+def report(title: str, timers: Timers, totals: dict[str, float], steps: int,
+           gemm: dict[str, dict[torch.dtype, float]], dtypes: list[torch.dtype]) -> str:
+    ms = {k: v / steps * 1e3 for k, v in timers.seconds.items()}
+    fwd = totals["forward"] / steps * 1e3
+    step = totals["step"] / steps * 1e3
+    inside = sum(v for k, v in ms.items() if k != "sampling")
+    ms["other in the forward"] = fwd - inside
+    ms["scheduling"] = step - fwd - ms.get("sampling", 0.0)
+    heads = " | ".join(f"F.linear {str(dt).removeprefix('torch.')} ms" for dt in dtypes)
+    lines = [f"### {title}: {step:,.2f} ms per step ({fwd:,.2f} ms forward)", "",
+             f"| op | ms per step | share | {heads} |", "|---|---|---|" + "---|" * len(dtypes)]
+    for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):
+        ref = " | ".join(f"{gemm[k][dt] * 1e3:,.2f}" if k in gemm else "" for dt in dtypes)
+        lines.append(f"| {k} | {v:,.2f} | {v / step:.0%} | {ref} |")
+    for dt in dtypes:
+        alone = sum(g[dt] for g in gemm.values()) * 1e3
+        lines.append(f"\nlinears alone at the {str(dt).removeprefix('torch.')} GEMM rate: {alone:,.2f} ms; "
+                     f"step / that = {step / alone:.2f}x")
+    return "\n".join(lines)
+
+
+def fill(engine: Any, n: int, prompt_len: int, seed: int) -> list[str]:
+    """Bring n requests of prompt_len random tokens into the running batch (their prefill done)."""
+    from services.scheduler.core.req import Req
+    from services.scheduler.model_executor.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.runner.vocab_size
+    params = SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True)
+    reqs = [Req(rid=f"profile-{seed}-{i}", origin_input_ids=[rng.randrange(256, vocab) for _ in range(prompt_len)],
+                params=params, stream=True) for i in range(n)]
+    for r in reqs:
+        engine.submit(r)
+    while any(not r.output_ids for r in reqs):
+        engine.step()
+    return [r.rid for r in reqs]
+
+
+def drop(engine: Any, rids: list[str]) -> None:
+    engine.abort(rids)
+    while engine.scheduler.has_work():
+        engine.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.op_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="tiny, 100m, smollm2-135m-instruct or a directory")
+    ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
+    ap.add_argument("--context", type=int, default=384, help="tokens already in each request's context")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the profiled prefill (0: none)")
+    ap.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
+    ap.add_argument("--dtype", default="auto", help="the engine's --dtype")
+    args = ap.parse_args(argv)
+
+    from services.scheduler.config import EngineConfig
+    from services.scheduler.core.engine import Engine
+
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    model_dir = resolve(args.model)
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype,
+                                 max_running_requests=max(batches + [1]), disable_radix_cache=True))
+    engine.warmup()
+    dtypes = [torch.float32] + ([torch.bfloat16] if cpu_has_bf16() else [])
+    shapes = linear_shapes(engine.runner.model)
+    print(f"# Step profile: {model_dir.name}, {engine.runner.dtype}, {torch.get_num_threads()} threads, "
+          f"context {args.context}")
+    timers, totals = instrument(engine)
+    sections = []
+    if args.prefill:
+        timers.seconds.clear()
+        totals.clear()
+        rids = fill(engine, 1, args.prefill, seed=0)
+        rows = dict.fromkeys(shapes, args.prefill) | {"linear lm_head": 1}
+        sections.append(report(f"prefill, 1 x {args.prefill} tokens", timers, totals, 1,
+                               gemm_table(shapes, rows, dtypes), dtypes))
+        drop(engine, rids)
+    for b in batches:
+        rids = fill(engine, b, args.context, seed=b)
+        timers.seconds.clear()
+        totals.clear()
+        for _ in range(args.steps):
+            engine.step()
+        sections.append(report(f"decode, batch {b}", timers, totals, args.steps,
+                               gemm_table(shapes, dict.fromkeys(shapes, b), dtypes), dtypes))
+        drop(engine, rids)
+    print("\n\n".join(sections))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""--synthetic-forward: the engine's real scheduling and pools, with fixed tokens in place of the model."""
+
+from __future__ import annotations
+
+import torch
+
+from services.scheduler.config import EngineConfig
+from services.scheduler.core.engine import Engine
+from services.scheduler.model_executor.model_runner import SYNTHETIC_LOW_ID, synthetic_tokens
+from services.scheduler.model_executor.sampling import SamplingParams
+
+
+def test_tokens_avoid_eos_and_low_ids() -> None:
+    ids = torch.arange(0, 5000)
+    pos = torch.arange(5000, 0, -1)
+    out = synthetic_tokens(ids, pos, vocab_size=1000, eos_token_ids=[300, 999])
+    assert out.min() >= SYNTHETIC_LOW_ID and out.max() < 1000
+    assert not torch.isin(out, torch.tensor([300, 999])).any()
+    assert len(set(out.tolist())) > 500  # spread over the vocabulary, not one token
+
+
+def test_engine_emits_synthetic_tokens(model_dir: str) -> None:
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", synthetic_forward=True,
+                                 chunked_prefill_size=16))
+    prompts = [list(range(300, 340)), list(range(500, 507)), list(range(500, 507))]
+    outs = [r.output_ids for r in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))]
+    assert [len(o) for o in outs] == [12, 12, 12]  # never EOS: every request runs to max_new_tokens
+    assert outs[1] == outs[2]  # a fixed function of the sequence: the same prompt, the same tokens
+    eos = set(engine.runner.eos_token_ids)
+    assert not eos.intersection(t for o in outs for t in o)
+    # the first token follows the prompt's last token and position, as every later one does
+    want = synthetic_tokens(torch.tensor([339]), torch.tensor([39]), engine.runner.vocab_size, list(eos))
+    assert outs[0][0] == int(want[0])
