@@ -51,7 +51,7 @@ def check_kernel(tokens: int) -> None:
 def check_all() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     check_align()
-    for tokens in (1, 7, 40):  # decode batch 1, a few rows, more rows than a block per expert
+    for tokens in (1, 40):  # decode batch 1; more rows than a block for some experts
         check_kernel(tokens)
     print("fused_moe: all checks passed")
 
