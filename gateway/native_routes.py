@@ -232,7 +232,9 @@ async def get_model_info(request: Request) -> dict[str, Any]:
             "served_model_name": await state.served_name(), "max_context_length": info.max_context_length,
             "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids),
             "has_chat_template": info.has_chat_template, "preferred_sampling_params": None,
-            "weight_version": info.weight_version or "default"}
+            "weight_version": info.weight_version or "default",
+            "architectures": [info.architecture] if info.architecture else [],
+            "supported_architectures": list(info.supported_architectures)}
 
 
 @router.get("/get_server_info", responses=ERRORS)

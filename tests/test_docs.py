@@ -118,3 +118,11 @@ def test_the_performance_table_sits_between_the_bench_table_markers() -> None:
 
 def test_the_readme_is_a_first_read() -> None:
     assert len(README.read_text().splitlines()) < 250
+
+
+def test_readme_lists_the_served_architectures() -> None:
+    """The list comes from the model registry (services/scheduler/models/__init__.py): regenerate it with
+    `python -c "from services.scheduler.models import supported_line; print(supported_line())"`."""
+    from services.scheduler.models import supported_line
+
+    assert supported_line() in " ".join(README.read_text().split())

@@ -24,6 +24,7 @@ from services.scheduler.config import SchedulerServerConfig
 from services.scheduler.core.engine import Engine
 from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.memory import MemoryBudgetError
+from services.scheduler.models import ARCHITECTURES
 from services.scheduler.rpc.direct_sink import OutputRouter
 from services.scheduler.rpc.metrics import SchedulerMetrics
 from services.scheduler.rpc.pusher import DetokenizerPusher
@@ -66,7 +67,8 @@ class SchedulerServer:
             lora_adapters=[LoraAdapter(a.weights.name, a.weights.path, a.pinned).to_pb()
                            for a in (e.lora.listing() if e.lora is not None else [])],
             max_loras_per_batch=e.lora.settings.max_loras_per_batch if e.lora is not None else 0,
-            max_lora_rank=e.lora.settings.max_lora_rank if e.lora is not None else 0)
+            max_lora_rank=e.lora.settings.max_lora_rank if e.lora is not None else 0,
+            architecture=e.runner.architecture, supported_architectures=sorted(ARCHITECTURES))
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up

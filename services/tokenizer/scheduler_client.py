@@ -51,6 +51,8 @@ class SchedulerConnection:
         self.overlap_schedule = False
         # Told the scheduler's LoRA adapters on every connect (the tokenizer's registry syncs: lora.py).
         self.on_lora_info: Callable[[SchedulerConnection, list[LoraAdapter]], None] | None = None
+        self.architecture = ""  # the model class served and all the scheduler can serve (GetSchedulerInfo)
+        self.supported_architectures: list[str] = []
         self.channel = client_channel(address)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         # Items carry the session they were queued in: a request queued just before a break was
@@ -164,6 +166,7 @@ class SchedulerConnection:
         self.overlap_schedule = info.overlap_schedule
         if self.on_lora_info is not None:
             self.on_lora_info(self, [LoraAdapter.from_pb(a) for a in info.lora_adapters])
+        self.architecture, self.supported_architectures = info.architecture, list(info.supported_architectures)
 
     async def flush_cache(self) -> tuple[bool, str]:
         try:
@@ -222,6 +225,13 @@ class SchedulerPool:
     def weight_version(self, address: str) -> str:
         conn = self.conns.get(address)
         return conn.weight_version if conn is not None else "default"
+
+    def architectures(self) -> tuple[str, list[str]]:
+        """(architecture served, architectures supported) as the first scheduler that answered says."""
+        for conn in self.conns.values():
+            if conn.architecture:
+                return conn.architecture, conn.supported_architectures
+        return "", []
 
     def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
         return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0), c.attention_backend, c.cuda_graph,

@@ -75,7 +75,8 @@ class TokenizerServer:
         self.schedulers.on_lora_info = lambda conn, adapters: ops.sync_lora(self.manager.lora, conn, adapters)
         servicer = InferenceServicer(self.manager, self.tokenizer, cfg.model, cfg.served_model_name,
                                      cfg.routing_policy, views=lambda: self.schedulers.views(self.manager.in_flight()),
-                                     detokenizer_connected=self.detokenizers.all_connected, ops=ops)
+                                     detokenizer_connected=self.detokenizers.all_connected, ops=ops,
+                                     architectures=self.schedulers.architectures)
         self.grpc = GrpcService("tokenizer", cfg.address, [SERVICE_NAME],
                                 lambda server: api_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
                                 tls=cfg.tls)

@@ -47,7 +47,8 @@ class StreamGenerations:
 class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
     def __init__(self, manager: TokenizerManager, tokenizer: TextTokenizer, model_path: str,
                  served_model_name: str, routing_policy: str, views: Callable[[], list[SchedulerView]],
-                 detokenizer_connected: Callable[[], bool], ops: SchedulerOps | None = None) -> None:
+                 detokenizer_connected: Callable[[], bool], ops: SchedulerOps | None = None,
+                 architectures: Callable[[], tuple[str, list[str]]] = lambda: ("", [])) -> None:
         self.manager = manager
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -56,6 +57,7 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
         self.views = views
         self.detokenizer_connected = detokenizer_connected
         self.ops = ops
+        self.architectures = architectures  # (served, supported), from the schedulers' info
         self.stopping: asyncio.Event | None = None  # the server's drain signal, for GenerateStream
 
     # aclosing below: a call cancelled (or past its deadline) while suspended at a yield closes the
@@ -128,7 +130,9 @@ class InferenceServicer(api_pb2_grpc.InferenceServiceServicer):
     async def GetModelInfo(self, request: api_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> api_pb2.GetModelInfoResponse:
         tok = self.tokenizer
+        arch, supported = self.architectures()
         return api_pb2.GetModelInfoResponse(
+            architecture=arch, supported_architectures=supported,
             model_path=self.model_path, served_model_name=self.served_model_name,
             max_context_length=tok.context_length, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids,
             is_generation=True, has_chat_template=bool(tok.chat_template),

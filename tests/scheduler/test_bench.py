@@ -33,3 +33,15 @@ def test_the_printed_table_is_what_the_bench_target_reads(capsys) -> None:
     rates = parse_scheduler_bench(capsys.readouterr().out)
     assert set(rates) == {"c=2"} and set(rates["c=2"]) == {"engine", "hf-cb"}
     assert all(r > 0 for r in rates["c=2"].values())
+
+
+def test_moe_decode_bench_times_both_sides(monkeypatch, capsys) -> None:
+    """`engine_bench --moe` on a tiny stand-in for the Qwen3-30B-A3B shape: one row per batch size."""
+    monkeypatch.setattr(bench, "MOE_SHAPE", {**bench.MOE_SHAPE, "hidden_size": 64, "num_experts": 8,
+                                             "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                             "intermediate_size": 64, "num_attention_heads": 4,
+                                             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256})
+    assert bench.main(["--moe", "--moe-layers", "2", "--concurrency", "1,4", "--moe-context", "4",
+                       "--moe-steps", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "4"] and all(float(x) > 0 for r in rows for x in r[1:])

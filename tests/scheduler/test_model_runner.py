@@ -238,13 +238,16 @@ def test_decode_steps_run_on_decode_threads(runner: ModelRunner, model_dir: str)
 
 def test_a_backend_without_windows_is_refused_by_name_and_replaced_by_default(
         model_dir: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A windowed model never runs on a backend that would ignore its windows."""
+    """A windowed model never runs on a backend that would ignore its windows (FlashInfer here, which
+    needs CUDA; played by the Triton backend with its window support switched off)."""
     pytest.importorskip("triton")
+    from services.scheduler.attention.triton_backend import TritonAttnBackend
     from services.scheduler.model_executor import model_runner
     from tests.window_models import build
 
     path = str(build("mistral", tmp_path / "mistral", model_dir))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backend on CPU, as its own tests run it
+    monkeypatch.setattr(TritonAttnBackend, "supports_sliding_window", False)
     with pytest.raises(ValueError, match="attention_backend: triton has no sliding-window attention"):
         ModelRunner(path, device="cpu", max_total_tokens=256, max_running_requests=2, attention_backend="triton")
     monkeypatch.setattr(model_runner, "resolve_attention_backend", lambda name, device: "triton")  # a CUDA default

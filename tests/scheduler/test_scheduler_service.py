@@ -100,6 +100,7 @@ def test_step_batches_carry_greedy_tokens(stack, expected) -> None:
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     info = stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
     assert info.max_total_num_tokens == 4000 and info.page_size == 1 and info.device == "cpu"
+    assert info.architecture == "LlamaForCausalLM" and "Qwen3MoeForCausalLM" in info.supported_architectures
     tok = FakeTokenizer(stub, "tok-1")
     tok.send([request(f"g{i}", p, "tok-1") for i, p in enumerate(PROMPTS[:2])])
     tok.send([request("g2", PROMPTS[2], "tok-1", stream=False)])

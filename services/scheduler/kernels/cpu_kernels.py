@@ -137,6 +137,7 @@ class NativeKernels:
         self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
         self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int])
         self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
+        self._moe_gemm = self._fn(lib.moe_gemm_f32, None, [_P, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int])
 
     @staticmethod
     def _fn(f, restype, argtypes):
@@ -226,6 +227,19 @@ class NativeKernels:
         assert positions.shape == (t,) and positions.dtype == torch.int64 and positions.is_contiguous()
         self._rope(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, x.stride(0), heads, d,
                    half, torch.get_num_threads())
+
+    def moe_gemm(self, a: torch.Tensor, w: torch.Tensor, groups: list[tuple[int, int, int]],
+                 out: torch.Tensor) -> None:
+        """out[r] = a[r] @ w[e].T for the rows r of each group (expert e, first row, rows); other rows of
+        out are left as they are. a: [S, K] (rows at any stride); w: [E, N, K]; out: [S, N] contiguous."""
+        s, k = a.shape
+        e, n, k2 = w.shape
+        assert k == k2 and a.dtype == w.dtype == out.dtype == torch.float32 and a.device.type == "cpu"
+        assert a.stride(1) == 1 and w.is_contiguous() and out.is_contiguous() and out.shape == (s, n)
+        assert all(0 <= g[0] < e and 0 <= g[1] and g[1] + g[2] <= s for g in groups)
+        table = torch.tensor(groups, dtype=torch.int64).reshape(-1, 3)
+        self._moe_gemm(a.data_ptr(), a.stride(0), w.data_ptr(), n, k, table.data_ptr(), table.shape[0],
+                       out.data_ptr(), torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 I] float32 contiguous -> silu(gate) * up, [T, I]."""

@@ -20,7 +20,7 @@ from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.lora.manager import LoraManager, LoraSettings
 from services.scheduler.model_executor import model_loader
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
-from services.scheduler.models import get_model_class
+from services.scheduler.models import check_architectures, get_model_class
 from services.scheduler.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class ModelRunner:
 
     def _load_model(self, path) -> LlamaForCausalLM:
         cls = get_model_class(self.model_config)
+        self.architecture = check_architectures(list(self.model_config.architectures or []), self.model_path)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

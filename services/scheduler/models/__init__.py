@@ -1,7 +1,10 @@
-"""Model classes by the `architectures` name in a HF config.
+"""Model classes by the `architectures` name in a HF config: the one registry of what is served.
 
 The table names modules, not classes, so that it can be read without importing torch (the launcher
-checks a model before any service starts); `get_model_class` imports the one it needs.
+checks a model before any service starts); `get_model_class` imports the one it needs. Adding an
+architecture is one module here, built from the shared blocks (llama.py: attention, norms, MLP;
+moe.py: the MoE block and expert loading; rotary.py: the RoPE variants), one line in this table and
+a parity test in tests/scheduler/test_architectures.py; README.md's list is checked against it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "services.scheduler.models.gemma3:Gemma3ForCausalLM",
+    "MixtralForCausalLM": "services.scheduler.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "services.scheduler.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "services.scheduler.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM": "services.scheduler.models.phi3:Phi3ForCausalLM",
 }
+
+
+def supported_line() -> str:
+    """The README's list of served architectures (tests/test_docs.py checks it against this table)."""
+    return "Architectures served: " + ", ".join(f"`{a}`" for a in sorted(ARCHITECTURES))
 
 
 def check_architectures(archs: list[str], model: str) -> str:

@@ -19,6 +19,10 @@ from torch import nn
 from services.scheduler.kernels.cpu_kernels import NativeKernels
 from services.scheduler.models.rotary import RotaryEmbedding, Rotation
 
+# model_type values whose attention has q/k/v bias (Qwen2's) or per-head q/k RMSNorm (Qwen3's).
+QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
+QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -64,11 +68,11 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        qkv_bias = config.model_type in QKV_BIAS_TYPES or bool(getattr(config, "attention_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
-                                bias=bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
-        self.qk_norm = config.model_type == "qwen3"
+        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type not in QKV_BIAS_TYPES
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qk_norm = config.model_type in QK_NORM_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -86,10 +90,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.inter = config.intermediate_size
+        self.inter = intermediate_size or config.intermediate_size
         self.native: NativeKernels | None = None  # CPU float32: silu(gate) * up in one pass
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
@@ -102,10 +106,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int) -> None:
+    def __init__(self, config, layer_id: int, mlp: nn.Module | None = None) -> None:
+        """mlp: the layer's feed-forward block, [T, H] -> [T, H] (None: LlamaMLP; MoE models pass theirs)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,7 +132,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # None when tied: the logits use the embedding matrix (a CPU runner may set a packed copy here).
@@ -137,6 +143,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once the model is on its device
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s feed-forward block (a subclass returns an MoE block where it has one)."""
+        return LlamaMLP(config)
 
     def init_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
         self.rotary = RotaryEmbedding(self.config, self.first_attention().head_dim, self.max_position, device, dtype)
@@ -158,7 +168,8 @@ class LlamaForCausalLM(nn.Module):
                 m.native = kernels  # not Qwen3's per-head q/k norms: those run over views of the heads
         if getattr(self.config, "hidden_act", "silu") == "silu":
             for layer in self.layers:
-                cast(LlamaDecoderLayer, layer).mlp.native = kernels
+                # LlamaMLP or an MoE block: each has `native`
+                cast(LlamaMLP, cast(LlamaDecoderLayer, layer).mlp).native = kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
                 last_index: torch.Tensor | None) -> torch.Tensor:
@@ -177,12 +188,16 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return logits.float()  # [B, V] float32
 
+    def hf_rename(self, name: str) -> str:
+        """A checkpoint tensor's name (without "model.") in this class's naming; subclasses map theirs."""
+        return name
+
     def weight_target(self, name: str) -> tuple[str, int | None] | None:
         """The parameter an HF checkpoint tensor fills and its shard of a fused one (None: the whole
         parameter); None when the tensor is not loaded (rotary buffers, a tied lm_head)."""
         if "rotary_emb.inv_freq" in name:
             return None
-        name = name.removeprefix("model.")
+        name = self.hf_rename(name.removeprefix("model."))
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
         for hf, (ours, shard) in self._FUSED.items():
@@ -190,25 +205,37 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(f".{hf}.", f".{ours}."), shard
         return name, None
 
+    def param_shards(self, name: str) -> list[int]:
+        """The shards a checkpoint fills parameter `name` from ([]: one tensor fills it whole)."""
+        parts = name.split(".")
+        return sorted({k for ours, k in self._FUSED.values() if len(parts) > 1 and ours == parts[-2]})
+
+    def shard_view(self, ours: str, shard: int, param: torch.Tensor) -> torch.Tensor:
+        """The part of `param` that shard `shard` fills (fused q/k/v and gate/up: rows along dim 0)."""
+        if ours.split(".")[-2] == "gate_up_proj":  # halves; the width differs per MLP (a shared expert's)
+            half = param.shape[0] // 2
+            return param[shard * half:(shard + 1) * half]
+        attn = self.first_attention()
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        start = sum(sizes[:shard])
+        return param[start:start + sizes[shard]]
+
     def expected_shape(self, target: tuple[str, int | None], params: dict[str, nn.Parameter]) -> tuple[int, ...]:
         """The shape a checkpoint tensor for `target` must have (KeyError: no such parameter)."""
         ours, shard = target
-        shape = tuple(params[ours].shape)
         if shard is None:
-            return shape
-        return (self._shard_sizes(ours.split(".")[-2])[shard], *shape[1:])
+            return tuple(params[ours].shape)
+        return tuple(self.shard_view(ours, shard, params[ours]).shape)
 
     def missing_weights(self, loaded: set[tuple[str, int | None]]) -> list[str]:
-        """Parameters (or fused shards) not covered by `loaded` targets."""
+        """Parameters (or fused shards) not covered by `loaded` targets; a whole tensor covers all
+        shards (a checkpoint that stores q/k/v, gate/up or the experts already fused)."""
         out = []
         for n in dict(self.named_parameters()):
-            parts = n.split(".")
-            shards = sorted({k for ours, k in self._FUSED.values() if len(parts) > 1 and ours == parts[-2]})
-            if not shards:
-                if (n, None) not in loaded:
-                    out.append(n)
+            if (n, None) in loaded:
                 continue
-            out += [f"{n}#{k}" for k in shards if (n, k) not in loaded]
+            shards = self.param_shards(n)
+            out += [f"{n}#{k}" for k in shards if (n, k) not in loaded] if shards else [n]
         return out
 
     @torch.no_grad()
@@ -226,16 +253,8 @@ class LlamaForCausalLM(nn.Module):
             if shard is None:
                 params[ours].data.copy_(tensor)
             else:
-                sizes = self._shard_sizes(ours.split(".")[-2])
-                start = sum(sizes[:shard])
-                params[ours].data[start:start + sizes[shard]].copy_(tensor)
+                self.shard_view(ours, shard, params[ours].data).copy_(tensor)
             loaded.add(target)
         missing = self.missing_weights(loaded)
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
-
-    def _shard_sizes(self, fused: str) -> list[int]:
-        attn = self.first_attention()
-        if fused == "qkv_proj":
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config.intermediate_size] * 2

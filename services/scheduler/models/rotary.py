@@ -1,10 +1,15 @@
 """Rotary position embedding (HF "rotate half" layout) from a precomputed cos/sin table.
 
 inv_freq comes from transformers' own ROPE_INIT_FUNCTIONS (llama3, yarn, linear, ...) so every scaled
-variant a config names matches transformers exactly; only "default" is computed here. Seq-length
-dependent variants ("dynamic", "longrope") use their initial frequencies. Models whose layer types have
-their own RoPE (Gemma 3: `rope_parameters` keyed by "full_attention" / "sliding_attention") build one
-table per type (`layer_type`).
+variant a config names matches transformers exactly; only "default" is computed here. "dynamic" uses
+its initial frequencies. "longrope" (Phi-3's, also called "su") has two sets: positions below
+`original_max_position_embeddings` rotate with the short factors, positions from there on with the
+long ones. transformers instead picks one set for a whole forward call by its longest position (and
+recomputes the cache when a sequence crosses over); a rotation that depends only on the position
+keeps cached K valid whatever sequence it was computed in, which the KV pool and the radix cache
+rely on. Below the original length the two agree exactly. Models whose layer types have their own
+RoPE (Gemma 3: `rope_parameters` keyed by "full_attention" / "sliding_attention") build one table
+per type (`layer_type`).
 """
 
 from __future__ import annotations
@@ -45,13 +50,30 @@ def compute_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tu
     return 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)), 1.0
 
 
+def position_freqs(config, head_dim: int, max_position: int,
+                   layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """([P, rot_dim / 2] float32 angles of every position, attention scaling of cos/sin)."""
+    inv_freq, scaling = compute_inv_freq(config, head_dim, layer_type)
+    positions = torch.arange(max_position, dtype=torch.float32)[:, None]
+    freqs = positions * inv_freq[None, :]
+    params = rope_parameters(config, layer_type)
+    if params.get("rope_type") == "longrope":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        original = int(params.get("original_max_position_embeddings")
+                       or getattr(config, "original_max_position_embeddings", None) or max_position)
+        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=original + 1)
+        long = positions >= original  # [P, 1]
+        freqs = torch.where(long, positions * long_inv_freq[None, :], freqs)
+    return freqs, scaling
+
+
 class RotaryEmbedding:
     def __init__(self, config, head_dim: int, max_position: int, device: torch.device,
                  dtype: torch.dtype, layer_type: str | None = None) -> None:
-        inv_freq, scaling = compute_inv_freq(config, head_dim, layer_type)
-        self.rot_dim = 2 * inv_freq.numel()
         # Computed in float32 as transformers does, then cast to the model dtype (as HF casts cos/sin).
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, rot/2]
+        freqs, scaling = position_freqs(config, head_dim, max_position, layer_type)  # [P, rot/2]
+        self.rot_dim = 2 * freqs.shape[1]
         self.cos = (freqs.cos() * scaling).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scaling).to(device=device, dtype=dtype)
         self.native: NativeKernels | None = None  # CPU float32: rotate in place, one pass (set by the runner)
