@@ -31,6 +31,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Qwen2-MoE: top-k not renormalised, a shared expert with its sigmoid gate.
     "Qwen2MoeForCausalLM": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                                               shared_expert_intermediate_size=96, norm_topk_prob=False)),
+    # Gemma 3: two local layers (window 8, RoPE base 10k) around a global one (base 1M); the prompts of
+    # the parity tests are longer than the window.
+    "Gemma3ForCausalLM": ("gemma3_text", dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                              rope_parameters={
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                  "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
     # Phi-3 128k-style longrope with partial rotary (Phi-4-mini); prompts stay below the original length,
     # where transformers uses the short factors (rotary.py: why the long ones are per position here).
     "Phi3ForCausalLM": ("phi3", dict(partial_rotary_factor=0.5, original_max_position_embeddings=256,
