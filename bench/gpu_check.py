@@ -355,8 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="overall deadline (default 450)")
     ap.add_argument("--legs", default="parity,overlap,decode,gateway", help="comma-separated legs to run")
     ap.add_argument("--backends", default="triton,torch,flashinfer", help="attention backends of the parity leg")
+    ap.add_argument("--models", default="", help="comma-separated model shapes to build and check (default all: "
+                    f"{', '.join(SHAPES)}; with --cpu-smoke {', '.join(SMOKE_SHAPES)})")
     args = ap.parse_args(argv)
-    plan = dataclasses.replace(SMOKE if args.cpu_smoke else GPU, backends=tuple(args.backends.split(",")))
+    base = SMOKE if args.cpu_smoke else GPU
+    shapes = base.shapes
+    if args.models:
+        names = args.models.split(",")
+        if unknown := [n for n in names if n not in base.shapes]:
+            ap.error(f"--models: {', '.join(unknown)} not among {', '.join(base.shapes)}")
+        shapes = {n: base.shapes[n] for n in names}
+    plan = dataclasses.replace(base, shapes=shapes, backends=tuple(args.backends.split(",")))
     if args.cpu_smoke:
         # The Triton legs run in Triton's interpreter on CPU; set before anything imports triton.
         os.environ["TRITON_INTERPRET"] = "1"

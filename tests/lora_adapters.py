@@ -9,10 +9,10 @@ from typing import Any
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(model_dir: str, out: Path, seed: int, r: int = 8, alpha: int = 16,
-                 targets: list[str] | None = None, scale: float = 1.0) -> str:
-    """Save a random PEFT adapter to `out`; scale multiplies its B (the tiny model's random weights
-    need a sizeable update for adapters to differ in greedy output)."""
+def random_peft_model(model_dir: str, seed: int, r: int = 8, alpha: int = 16, targets: list[str] | None = None,
+                      scale: float = 1.0) -> Any:
+    """The model with a random PEFT adapter (in memory); scale multiplies its B (the tiny model's random
+    weights need a sizeable update for adapters to differ in greedy output)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -26,24 +26,31 @@ def make_adapter(model_dir: str, out: Path, seed: int, r: int = 8, alpha: int = 
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.mul_(scale)
-    peft_model.save_pretrained(str(out))
+    return peft_model
+
+
+def make_adapter(model_dir: str, out: Path, seed: int, r: int = 8, alpha: int = 16,
+                 targets: list[str] | None = None, scale: float = 1.0) -> str:
+    """Save a random PEFT adapter (random_peft_model) to `out`."""
+    random_peft_model(model_dir, seed, r, alpha, targets, scale).save_pretrained(str(out))
     return str(out)
 
 
-def peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers (+ peft when adapter is given) greedy ids, exactly new_tokens each (EOS masked)."""
+def greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """A transformers (or peft) model's greedy ids, exactly new_tokens each (EOS masked), on one thread:
+    with the stack's processes on the same cores, torch's thread pool would wait on descheduled threads."""
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
     model.eval()
     out = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            gen = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            out.append(gen[0, len(ids):].tolist())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for ids in prompts:
+                x = torch.tensor([ids])
+                gen = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                out.append(gen[0, len(ids):].tolist())
+    finally:
+        torch.set_num_threads(threads)
     return out

@@ -1,7 +1,9 @@
-"""Overlap scheduling through the four real processes: the same concurrent greedy requests (mixed
-max tokens, a stop string, an EOS, n > 1) give the same output with overlap on and off
-(--[no-]disable-overlap-schedule), and get_server_info says which. The lag itself is tested
-in-process (tests/scheduler/test_overlap.py)."""
+"""Overlap scheduling through the four real processes: concurrent greedy requests (mixed max tokens, a
+stop string, an EOS, n > 1) through a stack with overlap forced on (--no-disable-overlap-schedule) give
+the same ids and finish reasons as the in-process Engine with overlap off on the same prompt ids, and
+get_server_info says overlap is on. The lag itself is tested in-process, on and off
+(tests/scheduler/test_overlap.py); one stack and an in-process reference instead of a second stack
+keep this test cheap."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from ringserve.message import SamplingParams
+from ringserve.message.finish import Finish
 from ringserve.text_tokenizer import TextTokenizer
 from tests.e2e.stack import running_stack
 
@@ -49,18 +53,55 @@ def run_all(url: str, reqs: list[dict]) -> list[Output]:
         return list(pool.map(one, reqs))
 
 
-def test_greedy_output_is_the_same_with_overlap_on_and_off(model_dir: str) -> None:
-    eos = TextTokenizer.from_model(model_dir).eos_token_ids[0]
+def engine_reference(model_dir: str, tok: TextTokenizer, reqs: list[dict]) -> list[Output]:
+    """The same requests (n expanded as the tokenizer does) on the in-process Engine, overlap off, all
+    submitted at once; (text, ids, finish) per sample, text as the detokenizer would decode the ids."""
+    from services.scheduler.config import EngineConfig
+    from services.scheduler.core.engine import Engine
+
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", disable_overlap_schedule=True))
+    prompts, params, owner = [], [], []
+    for k, body in enumerate(reqs):
+        sp = dict(body["sampling_params"])
+        n = sp.pop("n", 1)
+        sp["stop"] = tuple(sp.get("stop", ()))
+        sp["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in sp.get("logit_bias", {}).items()))
+        for _ in range(n):
+            prompts.append(tok.encode(body["text"]))
+            params.append(SamplingParams(**sp))
+            owner.append(k)
+    out: list[Output] = [[] for _ in reqs]
+    for k, r in zip(owner, engine.generate(prompts, params), strict=True):
+        out[k].append(("", r.output_ids, finish_json(r.finish, len(r.output_ids))))
+    return out
+
+
+def finish_json(f: Finish | None, completion_tokens: int) -> dict:
+    """The gateway's meta_info.finish_reason for a finish (gateway/convert.py: native_finish_reason)."""
+    assert f is not None
+    if f.type == "length":
+        return {"type": "length", "length": completion_tokens}
+    assert f.type == "stop", f
+    return {"type": "stop", "matched": f.matched_token if f.matched_token is not None else f.matched_str}
+
+
+def test_overlap_on_through_the_stack_equals_the_engine_with_overlap_off(model_dir: str) -> None:
+    tok = TextTokenizer.from_model(model_dir)
+    eos = tok.eos_token_ids[0]
     reqs = bodies(eos)
-    got = {}
-    for on in (True, False):  # on CPU it is off by default: both set explicitly
-        with running_stack(model_dir, "--no-disable-overlap-schedule" if on else "--disable-overlap-schedule") as stack:
-            got[on] = run_all(stack.gateway_url, reqs)
-            assert f"overlap schedule: {'on' if on else 'off'}" in stack.launcher.output()
-            info = httpx.get(f"{stack.gateway_url}/get_server_info", timeout=10).json()
-            assert [s.get("overlap_schedule", False) for s in info["schedulers"]] == [on]
-    assert got[True] == got[False]
-    first = got[True]
+    # On CPU overlap is off by default: the stack forces it on.
+    with running_stack(model_dir, "--no-disable-overlap-schedule") as stack:
+        got = run_all(stack.gateway_url, reqs)
+        assert "overlap schedule: on" in stack.launcher.output()
+        info = httpx.get(f"{stack.gateway_url}/get_server_info", timeout=10).json()
+        assert [s.get("overlap_schedule", False) for s in info["schedulers"]] == [True]
+    want = engine_reference(model_dir, tok, reqs)
+    # ids and finish reasons equal the reference's; the text is what those ids decode to.
+    assert [[(ids, fin) for _, ids, fin in o] for o in got] == [[(ids, fin) for _, ids, fin in o] for o in want]
+    for (text, ids, fin), body in zip((o[0] for o in got), reqs):
+        if fin["type"] == "length":
+            assert text == tok.decode(ids), body
+    first = got
     assert first[0][0][2]["type"] == "length" and len(first[0][0][1]) == 4
     assert first[1][0][2]["type"] == "stop" and first[2][0][1][-1] == eos and len(first[2][0][1]) == 4
     assert len(first[3]) == 3 and first[3][0] == first[3][1] == first[3][2]  # n=3 greedy: three equal

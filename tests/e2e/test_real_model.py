@@ -182,16 +182,21 @@ def test_concurrent_greedy_equals_transformers_with_chunks_and_retraction(
     assert uncached > 3 * CHUNK, lone
     assert steps >= math.ceil(uncached / CHUNK)
 
-    reference = greedy_logits_reference(real_model_dir, prompts, NEW_TOKENS)
-    longest = max(len(r.prompt_ids) for r in reference.values()) + NEW_TOKENS
+    prompt_ids = {p: tok.encode(p) for p in prompts}
+    longest = max(len(ids) for ids in prompt_ids.values()) + NEW_TOKENS
     burst = (*prompts, prompts[0], prompts[1])  # 16 requests; the last two repeat whole prompts
-    need = sum(len(reference[p].prompt_ids) + NEW_TOKENS for p in burst)
+    need = sum(len(prompt_ids[p]) + NEW_TOKENS for p in burst)
     assert 2 * longest < KV_POOL < need / 1.5, (longest, KV_POOL, need)
 
     retracted = scrape(metrics)["sglang:num_retracted_reqs"]
     bodies = [greedy_body(p, NEW_TOKENS) for p in burst]
     with cf.ThreadPoolExecutor(len(bodies)) as pool:
-        outs = list(pool.map(lambda b: stack.generate(b, timeout=300), bodies))
+        futs = [pool.submit(stack.generate, b, timeout=300) for b in bodies]
+        # transformers' reference while the burst runs: it does not depend on the stack, and its one
+        # thread and the stack's scheduler share the two cores (in turn, this test took twice as long).
+        reference = greedy_logits_reference(real_model_dir, prompts, NEW_TOKENS)
+        outs = [f.result() for f in futs]
+    assert all(reference[p].prompt_ids == ids for p, ids in prompt_ids.items())
 
     ties: list[Tie] = []
     for p, out in zip(burst, outs):
@@ -274,18 +279,23 @@ def test_check_greedy_accepts_a_tie_and_fails_otherwise() -> None:
 
 def test_lora_greedy_equals_transformers_peft(stack: Stack, real_model_dir: str, tok: TextTokenizer,
                                               tmp_path: Path) -> None:
-    from tests.lora_adapters import make_adapter, peft_greedy
+    from tests.lora_adapters import greedy, random_peft_model
 
-    adapter = make_adapter(real_model_dir, tmp_path / "adapter", seed=5, r=8, scale=0.5)
+    # One model load: the adapter saved for the stack and the reference's peft model are the same weights.
+    peft_model = random_peft_model(real_model_dir, seed=5, r=8, scale=0.5)
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter)
     r = httpx.post(f"{stack.gateway_url}/load_lora_adapter", json={"lora_name": "random", "lora_path": adapter},
                    timeout=120)
     assert r.status_code == 200, r.text
     texts = (PLAIN[0], PLAIN[2])
     new = 6
-    reference = peft_greedy(real_model_dir, adapter, [tok.encode(t) for t in texts], new)
     bodies = [{**greedy_body(t, new), **({"lora_path": "random"} if lora else {})} for t in texts for lora in (1, 0)]
     with cf.ThreadPoolExecutor(len(bodies)) as pool:  # adapter and base requests in the same batches
-        outs = list(pool.map(lambda b: stack.generate(b, timeout=120), bodies))
+        futs = [pool.submit(stack.generate, b, timeout=120) for b in bodies]
+        # transformers + peft meanwhile (it does not depend on the stack): the two share the cores.
+        reference = greedy(peft_model, [tok.encode(t) for t in texts], new)
+        outs = [f.result() for f in futs]
     for i, t in enumerate(texts):
         on_adapter, on_base = outs[2 * i]["output_ids"], outs[2 * i + 1]["output_ids"]
         print(f"{t[:30]!r}: adapter {on_adapter} (peft {reference[i]}), base {on_base}")

@@ -4,7 +4,7 @@
 256) clients on RINGSERVE_SOAK_MODEL (`make soak MODEL=...`; default the tiny test model), each a
 bounded loop of streaming /generate calls through the gateway with mixed lengths, ~10% of them
 cancelled after the first chunks. Before it, RINGSERVE_SOAK_WARMUP_S (default 60) of the same load.
-`test_soak_short` runs the same check in `make test`: 128 clients, 30 s of warm-up, 30 s of soak.
+`test_soak_short` runs the same check in `make test`: 128 clients, 30 s of warm-up, 20 s of soak.
 
 Pass: no unexpected error, rid_to_state and the KV pool back to idle afterwards, and each service's
 RSS within RINGSERVE_SOAK_RSS_TOLERANCE (default 5%) of its level after the warm-up. Both RSS figures
@@ -158,5 +158,7 @@ def test_soak(model_dir: str) -> None:
 
 @pytest.mark.slow
 def test_soak_short(model_dir: str) -> None:
-    """The soak's checks in `make test` (about a minute), so a leak fails CI too."""
-    _soak(model_dir, 128, 30.0, 30.0)
+    """The soak's checks in `make test` (about 70 s), so a leak fails CI too. The warm-up stays 30 s: after
+    20 s the bounded caches were still filling (idle RSS +4.5% over the next 20 s, against the 5%
+    tolerance); the soak is 20 s: one decode-cache row leaked per request still shows as about +20%."""
+    _soak(model_dir, 128, 30.0, 20.0)
