@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.model_info import resolve
+from bench.venvs import log
 from ringserve.model_source import DEFAULT_MODEL
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -213,25 +214,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Step profile: {model_dir.name}, {engine.runner.dtype}, {torch.get_num_threads()} threads, "
           f"context {args.context}")
     timers, totals = instrument(engine)
-    sections = []
     if args.prefill:
+        log(f"prefill of {args.prefill} tokens")
         timers.seconds.clear()
         totals.clear()
         rids = fill(engine, 1, args.prefill, seed=0)
         rows = dict.fromkeys(shapes, args.prefill) | {"linear lm_head": 1}
-        sections.append(report(f"prefill, 1 x {args.prefill} tokens", timers, totals, 1,
-                               gemm_table(shapes, rows, dtypes), dtypes))
+        print(report(f"prefill, 1 x {args.prefill} tokens", timers, totals, 1,
+                     gemm_table(shapes, rows, dtypes), dtypes) + "\n", flush=True)
         drop(engine, rids)
     for b in batches:
+        log(f"decode at batch {b}: prefilling {b} x {args.context} tokens first")
         rids = fill(engine, b, args.context, seed=b)
+        log(f"decode at batch {b}: timing {args.steps} steps")
         timers.seconds.clear()
         totals.clear()
         for _ in range(args.steps):
             engine.step()
-        sections.append(report(f"decode, batch {b}", timers, totals, args.steps,
-                               gemm_table(shapes, dict.fromkeys(shapes, b), dtypes), dtypes))
+        print(report(f"decode, batch {b}", timers, totals, args.steps,
+                     gemm_table(shapes, dict.fromkeys(shapes, b), dtypes), dtypes) + "\n", flush=True)
         drop(engine, rids)
-    print("\n\n".join(sections))
     return 0
 
 
