@@ -1,10 +1,11 @@
 """Model classes by the `architectures` name in a HF config: the one registry of what is served.
 
 The table names modules, not classes, so that it can be read without importing torch (the launcher
-checks a model before any service starts); `get_model_class` imports the one it needs. Adding an
-architecture is one module here, built from the shared blocks (llama.py: attention, norms, MLP;
-moe.py: the MoE block and expert loading; rotary.py: the RoPE variants), one line in this table and
-a parity test in tests/scheduler/test_architectures.py; README.md's list is checked against it.
+checks a model before any service starts); `get_model_class` imports the one it needs. An
+architecture is a class beside the blocks it reuses (llama.py: attention, norms, MLP and the dense
+variants; moe.py: the MoE block, expert loading and the MoE variants; gemma3.py, whose blocks differ;
+rotary.py: the RoPE variants), one line in this table and a parity test in
+tests/scheduler/test_architectures.py; README.md's list is checked against it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "services.scheduler.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "services.scheduler.models.gemma3:Gemma3ForCausalLM",
-    "MixtralForCausalLM": "services.scheduler.models.mixtral:MixtralForCausalLM",
-    "Qwen2MoeForCausalLM": "services.scheduler.models.qwen2_moe:Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM": "services.scheduler.models.qwen3_moe:Qwen3MoeForCausalLM",
-    "Phi3ForCausalLM": "services.scheduler.models.phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "services.scheduler.models.moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "services.scheduler.models.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "services.scheduler.models.moe:Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM": "services.scheduler.models.llama:Phi3ForCausalLM",
 }
 
 

@@ -258,3 +258,11 @@ class LlamaForCausalLM(nn.Module):
         missing = self.missing_weights(loaded)
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-4-mini: the Llama decoder as is, named for the registry and the logs. Its
+    checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, the fused layout this
+    server computes with, so they load whole (`missing_weights` counts a whole tensor for all its
+    shards); the 128k variants' "longrope" is a rotary variant (rotary.py), partial rotary
+    (Phi-4-mini) a rope parameter."""

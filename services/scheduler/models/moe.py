@@ -174,3 +174,47 @@ class MoEModel(LlamaForCausalLM):
         if ours.endswith("experts.down_proj"):
             return param[shard]
         return super().shard_view(ours, shard, param)
+
+
+# ---- the MoE architectures: each differs only in its MLP block and its checkpoint names ----
+
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+class MixtralForCausalLM(MoEModel):
+    """Mistral's attention with an MoE block in every layer (top-k always renormalised, no shared
+    expert). Checkpoints name the block `block_sparse_moe` and the experts' projections w1 (gate),
+    w3 (up), w2 (down)."""
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        return MoEMLP(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                      config.num_experts_per_tok, renormalize=True)
+
+    def hf_rename(self, name: str) -> str:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        return _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{_MIXTRAL_PROJ[m.group(2)]}.", name)
+
+
+class Qwen3MoeForCausalLM(MoEModel):
+    """Qwen3's attention (per-head q/k norms) with MoE blocks on the layers the config makes sparse
+    (every `decoder_sparse_step`-th, except `mlp_only_layers`, which keep a dense MLP of
+    `intermediate_size`); top-k renormalised when `norm_topk_prob`; no shared expert."""
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_id):
+            return LlamaMLP(config)
+        return MoEMLP(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                      config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob))
+
+
+class Qwen2MoeForCausalLM(MoEModel):
+    """Qwen2's attention (q/k/v bias) with MoE blocks that add a shared expert, every token's, scaled
+    by sigmoid(shared_expert_gate(x)); sparse layers and top-k renormalisation as Qwen3-MoE."""
+
+    def make_mlp(self, config, layer_id: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_id):
+            return LlamaMLP(config)
+        return MoEMLP(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                      config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob),
+                      shared_inter=config.shared_expert_intermediate_size, shared_config=config)
