@@ -27,10 +27,24 @@ ROOT = Path(__file__).resolve().parent.parent
 READY_LINE = "RINGSERVE READY"  # printed by a service once it serves (the gateway, for HTTP)
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process has not handed out before.
+
+    The kernel may give the same ephemeral port to two binds in a row once the first socket is
+    closed, so without the record two services started together could be told the same port.
+    """
+    with _handed_out_lock:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port: int = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def wait_grpc_serving(target: str, timeout: float, service: str = "",
