@@ -167,14 +167,17 @@ def report(title: str, timers: Timers, totals: dict[str, float], steps: int,
     return "\n".join(lines)
 
 
-def fill(engine: Any, n: int, prompt_len: int, seed: int) -> list[str]:
-    """Bring n requests of prompt_len random tokens into the running batch (their prefill done)."""
+def fill(engine: Any, n: int, prompt_len: int, seed: int, new_tokens: int) -> list[str]:
+    """Bring n requests of prompt_len random tokens into the running batch (their prefill done).
+
+    Each asks for just the `new_tokens` the profile will run: the scheduler reserves KV for what a
+    running request may still write, so an unbounded ask admits only a few requests at a time."""
     from services.scheduler.core.req import Req
     from services.scheduler.model_executor.sampling import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.runner.vocab_size
-    params = SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     reqs = [Req(rid=f"profile-{seed}-{i}", origin_input_ids=[rng.randrange(256, vocab) for _ in range(prompt_len)],
                 params=params, stream=True) for i in range(n)]
     for r in reqs:
@@ -218,14 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"prefill of {args.prefill} tokens")
         timers.seconds.clear()
         totals.clear()
-        rids = fill(engine, 1, args.prefill, seed=0)
+        rids = fill(engine, 1, args.prefill, seed=0, new_tokens=2)
         rows = dict.fromkeys(shapes, args.prefill) | {"linear lm_head": 1}
         print(report(f"prefill, 1 x {args.prefill} tokens", timers, totals, 1,
                      gemm_table(shapes, rows, dtypes), dtypes) + "\n", flush=True)
         drop(engine, rids)
     for b in batches:
         log(f"decode at batch {b}: prefilling {b} x {args.context} tokens first")
-        rids = fill(engine, b, args.context, seed=b)
+        rids = fill(engine, b, args.context, seed=b, new_tokens=args.steps + 2)
         log(f"decode at batch {b}: timing {args.steps} steps")
         timers.seconds.clear()
         totals.clear()
