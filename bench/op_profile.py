@@ -32,17 +32,9 @@ import torch.nn.functional as F
 from bench.model_info import resolve
 from bench.venvs import log
 from ringserve.model_source import DEFAULT_MODEL
+from services.scheduler.kernels.cpu_linear import native_bf16
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def cpu_has_bf16() -> bool:
-    """AVX512-BF16 or AMX in /proc/cpuinfo (where oneDNN runs bfloat16 GEMMs natively)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass
@@ -212,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype,
                                  max_running_requests=max(batches + [1]), disable_radix_cache=True))
     engine.warmup()
-    dtypes = [torch.float32] + ([torch.bfloat16] if cpu_has_bf16() else [])
+    dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
     shapes = linear_shapes(engine.runner.model)
-    print(f"# Step profile: {model_dir.name}, {engine.runner.dtype}, {torch.get_num_threads()} threads, "
+    print(f"# Step profile: {model_dir.name}, {engine.runner.dtype_label()}, {torch.get_num_threads()} threads, "
           f"context {args.context}")
     timers, totals = instrument(engine)
     if args.prefill:

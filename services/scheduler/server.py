@@ -56,7 +56,7 @@ class SchedulerServer:
         e, c = self.engine, self.cfg
         assert e is not None
         return scheduler_pb2.GetSchedulerInfoResponse(
-            model_path=c.model, device=str(e.runner.device), dtype=str(e.runner.dtype).removeprefix("torch."),
+            model_path=c.model, device=str(e.runner.device), dtype=str(e.runner.linear_dtype).removeprefix("torch."),
             max_total_num_tokens=e.max_total_num_tokens, max_running_requests=e.scheduler.max_running,
             max_prefill_tokens=c.max_prefill_tokens, chunked_prefill_size=e.chunked_prefill_size,
             context_length=e.runner.context_length, schedule_policy=c.schedule_policy,

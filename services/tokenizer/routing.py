@@ -31,6 +31,7 @@ class SchedulerView:
     attention_backend: str = ""  # from GetSchedulerInfo on connect (server info only)
     cuda_graph: bool = False
     overlap_schedule: bool = False
+    dtype: str = ""
 
     @property
     def score(self) -> tuple[int, float]:
@@ -42,7 +43,7 @@ class SchedulerView:
         pb: api_pb2.SchedulerLoad = fields_to_pb(self.load, api_pb2.SchedulerLoad)
         pb.address, pb.connected = self.address, self.connected
         pb.attention_backend, pb.cuda_graph = self.attention_backend, self.cuda_graph
-        pb.overlap_schedule = self.overlap_schedule
+        pb.overlap_schedule, pb.dtype = self.overlap_schedule, self.dtype
         return pb
 
 

@@ -33,3 +33,48 @@ def test_pack_linears_swaps_float32_cpu_linears_only() -> None:
     torch.testing.assert_close(model[2](model[1](model[0](x))), want, rtol=1e-5, atol=1e-5)
     # The weights are the same tensors (loaders and the state dict still see them).
     assert "0.weight" in dict(model.named_parameters())
+
+
+bf16 = pytest.mark.skipif(not cpu_linear.supported(torch.bfloat16), reason="no oneDNN bf16 linear in this torch")
+
+
+@bf16
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_weights_compute_what_a_bf16_linear_does(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    w, x = torch.randn(96, 48) * 0.1, torch.randn(rows, 48)
+    b = torch.randn(96) if bias else None
+    layer = cpu_linear.PackedLinear(w, b, torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16 and isinstance(layer.weight, nn.Parameter)
+    got = layer(x)
+    assert got.dtype == torch.float32  # activations stay float32 around the bf16 GEMM
+    # The bf16 GEMM of the rounded input (float32 accumulation, output rounded to bf16), bias in float32.
+    want = F.linear(x.bfloat16(), w.bfloat16()).float() + (0 if b is None else b)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    # ... and not the float32 product: the rounding is really there (a float32 fallback would pass above).
+    assert (got - F.linear(x, w, b)).abs().max() > 1e-4
+
+
+@bf16
+def test_bf16_tied_copy_follows_its_source_on_repack() -> None:
+    embed = nn.Parameter(torch.randn(32, 16), requires_grad=False)
+    head = cpu_linear.PackedLinear(embed, None, torch.bfloat16, tied=True)
+    assert "weight" not in dict(head.named_parameters())  # a buffer: no checkpoint tensor fills it
+    x = torch.randn(5, 16)
+    embed.data.mul_(-1)  # a weight update writes the embedding in place
+    stale = head(x)
+    cpu_linear.repack_linears(nn.Sequential(head))
+    torch.testing.assert_close(head(x), -stale, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(head(x), F.linear(x.bfloat16(), embed.bfloat16()).float(), rtol=1e-2, atol=1e-2)
+
+
+@bf16
+def test_pack_linears_in_bf16_drops_the_float32_weights() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(6, 8)
+    want = model(x)
+    assert cpu_linear.pack_linears(model, torch.bfloat16) == 2
+    assert {p.dtype for n, p in model.named_parameters() if n.endswith("weight")} == {torch.bfloat16}
+    assert {p.dtype for n, p in model.named_parameters() if n.endswith("bias")} == {torch.float32}
+    torch.testing.assert_close(model(x), want, rtol=5e-2, atol=5e-2)

@@ -253,3 +253,36 @@ def test_a_backend_without_windows_is_refused_by_name_and_replaced_by_default(
     monkeypatch.setattr(model_runner, "resolve_attention_backend", lambda name, device: "triton")  # a CUDA default
     r = ModelRunner(path, device="cpu", max_total_tokens=256, max_running_requests=2)
     assert r.attention_backend == "torch" and r.attn_backend.distinct_windows == [16]
+
+
+@pytest.mark.parametrize(("saved", "native", "want"), [
+    ("float32", True, torch.float32), (None, True, torch.float32),          # float32 checkpoints stay exact
+    ("bfloat16", True, torch.bfloat16), ("float16", True, torch.bfloat16),  # half precision: bf16 where native
+    ("bfloat16", False, torch.float32),                                     # ... float32 where emulated
+])
+def test_auto_dtype_on_cpu_follows_the_checkpoint_and_the_cpu(monkeypatch: pytest.MonkeyPatch, saved: str | None,
+                                                              native: bool, want: torch.dtype) -> None:
+    from types import SimpleNamespace
+
+    from services.scheduler.kernels import cpu_linear
+    from services.scheduler.model_executor.model_runner import _resolve_dtype
+
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: native)
+    cfg = SimpleNamespace(dtype=None if saved is None else getattr(torch, saved))
+    assert _resolve_dtype("auto", torch.device("cpu"), cfg) == want
+    assert _resolve_dtype("auto", torch.device("cuda"), cfg) == torch.bfloat16
+    assert _resolve_dtype("float32", torch.device("cpu"), cfg) == torch.float32
+
+
+def test_bf16_on_cpu_is_bf16_linears_around_float32(model_dir: str) -> None:
+    from services.scheduler.kernels import cpu_linear
+
+    if not cpu_linear.supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear in this torch")
+    r = ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=256, max_running_requests=4)
+    assert (r.linear_dtype, r.dtype) == (torch.bfloat16, torch.float32)
+    assert r.token_to_kv_pool.k_buffer[0].dtype == torch.float32  # KV on the float32 kernels
+    assert r.native is not None
+    packed = [m for m in r.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert packed and all(m.weight.dtype == torch.bfloat16 for m in packed)
+    assert r.dtype_label() == "bfloat16 linears, float32 activations and KV"

@@ -55,7 +55,17 @@ class ModelRunner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = _resolve_dtype(dtype, self.device)
+        path = model_loader.resolve_model_path(model_path)
+        self.model_config = model_loader.load_config(path)
+        # The dtype asked for, and where it applies. On CPU with the C kernels, bfloat16 is the linears'
+        # (weights held and GEMMs run in bf16, where most of a step's time goes); the activations
+        # between them, attention and the KV cache stay float32 on the float32 kernels.
+        self.linear_dtype = _resolve_dtype(dtype, self.device, self.model_config)
+        self.dtype = (torch.float32 if self.device.type == "cpu" and self.linear_dtype == torch.bfloat16
+                      and cpu_kernels and cpu_linear.supported(torch.bfloat16) else self.linear_dtype)
+        if self.device.type == "cpu" and self.linear_dtype == torch.bfloat16 and not cpu_linear.native_bf16():
+            logger.warning("dtype bfloat16 on a CPU without AVX512-BF16 or AMX: its GEMMs are emulated, "
+                           "slower than float32")
         if num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
         # Prefill is GEMM-bound and gains from every core; a decode step is short, and its threads'
@@ -73,15 +83,13 @@ class ModelRunner:
                        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels else None)
         self.argmax = self.native.argmax if self.native is not None else None  # greedy sampling's
 
-        path = model_loader.resolve_model_path(model_path)
-        self.model_config = model_loader.load_config(path)
         self.eos_token_ids = model_loader.load_eos_token_ids(path, self.model_config)
         cfg = self.model_config
         self.vocab_size = cfg.vocab_size
         self.context_length = context_length or cfg.max_position_embeddings
         logger.info("model config: %s, %d layers, hidden %d, vocab %d, context %d, %s on %s",
                     cfg.architectures, cfg.num_hidden_layers, cfg.hidden_size, self.vocab_size,
-                    self.context_length, self.dtype, self.device)
+                    self.context_length, self.dtype_label(), self.device)
 
         self.model = self._load_model(path)
         self.weights_bytes = _weights_bytes(self.model)
@@ -116,6 +124,13 @@ class ModelRunner:
                            "(for benchmarks of the services, never for serving)")
         logger.info("model runner ready in %.1fs", time.monotonic() - t0)
 
+    def dtype_label(self) -> str:
+        """The dtype as served: "bfloat16" or "float32", or on CPU "bfloat16 linears, float32
+        activations and KV" when the two differ (get_server_info reports linear_dtype)."""
+        if self.linear_dtype == self.dtype:
+            return _name(self.dtype)
+        return f"{_name(self.linear_dtype)} linears, {_name(self.dtype)} activations and KV"
+
     # ---- setup ----
 
     def _load_model(self, path) -> LlamaForCausalLM:
@@ -135,8 +150,9 @@ class ModelRunner:
             model.use_native_kernels(self.native)
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels and cpu_linear.supported():
             if model.lm_head is None:  # tied: a packed copy of the embedding matrix for the logits
-                model.lm_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None)
-            logger.info("linear layers: %d on oneDNN with packed weights", cpu_linear.pack_linears(model))
+                model.lm_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None, self.linear_dtype, tied=True)
+            logger.info("linear layers: %d on oneDNN with packed %s weights",
+                        cpu_linear.pack_linears(model, self.linear_dtype), _name(self.linear_dtype))
         return model.eval()
 
     def _make_attn_backend(self) -> Any:
@@ -403,11 +419,22 @@ def resolve_attention_backend(name: str | None, device: torch.device) -> str:
     return name
 
 
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: Any = None) -> torch.dtype:
+    """--dtype as a torch dtype. auto: bfloat16 on CUDA; on CPU the checkpoint's own dtype, as vLLM
+    does: float32 checkpoints (and those that say none) in float32, half-precision ones in bfloat16
+    where the CPU computes it natively (AVX512-BF16 or AMX) and in float32 elsewhere."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        half = str(saved).removeprefix("torch.") in ("bfloat16", "float16")
+        return torch.bfloat16 if half and cpu_linear.native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
