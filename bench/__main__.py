@@ -2,7 +2,7 @@
 
     python -m bench [--quick] [--targets gateway,native,grpc,engine,vllm,transformers]
                     [--models tiny,100m,smollm2-135m-instruct] [--workloads A,B,C,D]
-                    [--repeats N] [--stream-interval N] [--lora N] [--out DIR]
+                    [--repeats N] [--stream-interval N] [--lora N] [--dtype D] [--out DIR]
 
 Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
 Writes DIR/results.json, DIR/results.md (the table) and PNG plots; prints the table at the end.
@@ -43,7 +43,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lora", type=int, default=0,
                     help="serve N random LoRA adapters, every request on one of them in turn (gateway and "
                          "native targets only; default 0: none)")
+    ap.add_argument("--dtype", default="best", choices=("best", "float32", "bfloat16"),
+                    help="every server's --dtype; best: bfloat16 where this CPU has AVX512-BF16 or AMX, "
+                         "else float32 (default)")
     args = ap.parse_args(argv)
+    if args.dtype == "best":
+        from services.scheduler.kernels.cpu_linear import native_bf16
+
+        args.dtype = "bfloat16" if native_bf16() else "float32"
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     bad = [t for t in args.targets if t not in TARGETS]
     if bad:
@@ -68,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "stream_interval": args.stream_interval,
             "lora_adapters": args.lora,
+            "dtype": args.dtype,
             "targets": {t: DESCRIPTIONS[t] for t in args.targets},
             "workloads": [w.__dict__ | {"request_rate": str(w.request_rate)} for w in wls]}
     results: list[RunResult] = []
@@ -85,14 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         report.write(out, results, meta)  # partial results survive an interrupt
 
     atexit.register(lambda: log(f"results in {out}"))
-    log(f"workloads: {', '.join(w.name for w in wls)}; targets: {', '.join(args.targets)}; out: {out}")
+    log(f"workloads: {', '.join(w.name for w in wls)}; targets: {', '.join(args.targets)}; dtype {args.dtype}; "
+        f"out: {out}")
     load = os.getloadavg()[0]
     if load > 0.5:
         log(f"warning: the machine is busy (1-min load average {load:.1f}); numbers will be noisy "
             "(each run's load average is in results.json)")
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model = resolve(name)
-        run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval, args.repeats, args.lora)
+        run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval, args.repeats, args.lora,
+                  args.dtype)
     report.write(out, results, meta)
     made = plots.all_plots(results, out)
     print("\n" + report.markdown(results) + "\n", flush=True)

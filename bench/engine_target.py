@@ -72,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--workloads", default="")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
     from services.scheduler.config import EngineConfig
     from services.scheduler.core.engine import Engine
 
-    engine = Engine(EngineConfig(model=str(args.model)))
+    engine = Engine(EngineConfig(model=str(args.model), dtype=args.dtype))
     engine.warmup()
     size, special = vocab(args.model)
     results = []

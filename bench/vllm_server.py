@@ -24,12 +24,12 @@ def vllm_python() -> Path:
 
 
 def start_vllm(model: Path, served_name: str, kv_cache_gib: int = 2, timeout: float = 600,
-               extra: Sequence[str] = ()) -> tuple[Server, str]:
+               dtype: str = "float32", extra: Sequence[str] = ()) -> tuple[Server, str]:
     """Start vLLM's OpenAI server on a free port; returns (server, base URL)."""
     py = vllm_python()
     port = free_port()
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", served_name, "--dtype", "float32", "--max-model-len", "2048",
+           "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", "2048",
            "--host", "127.0.0.1", "--port", str(port), *extra]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
            "VLLM_TARGET_DEVICE": "cpu", "TRANSFORMERS_OFFLINE": "1"}
