@@ -36,7 +36,7 @@ PLOTS_DIR = "bench"  # under docs/, next to benchmarks.md, which links the plots
 COLUMNS = {"vllm": "vLLM CPU", "gateway": "gateway `/v1/completions`", "native": "gateway `/generate`",
            "grpc": "gRPC API", "smg": "smg (SGLang's gateway) `/v1/completions`", "engine": "engine in-process"}
 # What a reader needs to know about each model `make bench` builds or fetches (results name it by directory).
-MODELS = {SMOLLM2_DIR_NAME: "the default model: 135M parameters, real weights, float32",
+MODELS = {SMOLLM2_DIR_NAME: "the default model: 135M parameters, real weights",
           "ringserve-tiny-llama": "the 4.5M-parameter random-weight model the tests use, not the default model",
           "ringserve-100m-llama": "a ~100M-parameter random-weight model of the same family"}
 
@@ -108,7 +108,8 @@ def caption(run: Run, model: str) -> str:
     busy = f"; 1-minute load average {load:.1f} when it started" if isinstance(load, (int, float)) else ""
     repeats = run.meta.get("repeats", 1)
     started = run.meta.get("started", "date not recorded")
-    return (f"**{model}** ({MODELS.get(model, 'a model directory')}). Run {started}, "
+    dtype = run.meta.get("dtype", "float32")  # runs before --dtype were float32 throughout
+    return (f"**{model}** ({MODELS.get(model, 'a model directory')}; both servers in {dtype}). Run {started}, "
             f"commit `{commit}`, {where}{busy}. Command: `{command(run.meta)}`. Output tokens/s of the median of "
             f"{repeats} repeat{'s' if repeats != 1 else ''} and its ratio to vLLM CPU in the same run; "
             "TTFT and ITL are medians in ms; at a fixed request rate (D) throughput is the offered load, so only "

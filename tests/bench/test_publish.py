@@ -131,7 +131,8 @@ def test_a_run_without_the_default_model_or_a_commit_says_so(tree) -> None:
     publish.publish(publish.load(out), readme, docs)
     block = readme.read_text()
     assert f"No `make bench` results for the default model ({DEFAULT}) yet" in block
-    assert f"**{TINY}** (the 4.5M-parameter random-weight model the tests use, not the default model)" in block
+    assert f"**{TINY}** (the 4.5M-parameter random-weight model the tests use, not the default model; " \
+           "both servers in float32)" in block
     assert "commit `not recorded`" in block
 
 
