@@ -20,7 +20,10 @@ class EngineConfig:
 
     model: str = field(default_factory=default_model, metadata=_h("model directory or hub id"))
     device: str | None = field(default=None, metadata=_h("cpu, cuda or cuda:N (default: cuda if present)"))
-    dtype: str = field(default="auto", metadata=_h("weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)"))
+    dtype: str = field(default="auto", metadata=_h(
+        "float32, bfloat16 or float16. auto: bfloat16 on CUDA; on CPU the checkpoint's (a half-precision one in "
+        "bfloat16 where the CPU has AVX512-BF16 or AMX, else float32). bfloat16 on CPU: bf16 linear weights and "
+        "GEMMs, float32 activations and KV"))
     max_total_tokens: int | None = field(default=None, metadata=_h("KV pool size in tokens (default: from memory)"))
     mem_fraction: float = field(default=0.85, metadata=_h("share of free GPU memory for the KV pool"))
     max_running_requests: int = field(default=256, metadata=_h("most requests in the running batch"))
