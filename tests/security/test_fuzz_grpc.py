@@ -112,7 +112,7 @@ def test_random_generate_requests(tok: Svc) -> None:
     with grpc.insecure_channel(tok.target) as ch:
         stub = api_pb2_grpc.InferenceServiceStub(ch)
 
-        @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(req=requests())
         def run(req: api_pb2.GenerateRequest) -> None:
             code = _outcome(stub.Generate(req, timeout=CALL_TIMEOUT_S))
@@ -135,7 +135,7 @@ def test_random_bytes_as_the_request(tok: Svc) -> None:
         raw: grpc.UnaryStreamMultiCallable[bytes, bytes] = ch.unary_stream(GENERATE, request_serializer=None,
                                                                           response_deserializer=None)
 
-        @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(body=st.binary(max_size=200) | requests().map(lambda r: r.SerializeToString()[::-1]))
         def run(body: bytes) -> None:
             code = _outcome(raw(body, timeout=CALL_TIMEOUT_S))

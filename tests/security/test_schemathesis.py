@@ -26,7 +26,7 @@ from tests.resilience.cluster import Svc, cluster  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-TOTAL_CASES = 1000
+TOTAL_CASES = 700
 TIMEOUT_S = 30.0
 CAPS = {"max_tokens": 4, "max_new_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2,
         "top_logprobs": 2, "top_logprobs_num": 2, "logprobs": 2}
