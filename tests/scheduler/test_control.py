@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from ringserve.errors import InvalidArgument
 from ringserve.message import SamplingParams, StepBatch
@@ -240,3 +241,22 @@ def test_profile_for_a_number_of_steps_writes_a_chrome_trace(engine: Engine, tmp
     assert any(ev.get("name", "").startswith("aten::") for ev in trace["traceEvents"])
     with pytest.raises(InvalidArgument, match="activities"):
         control.start_profile(engine, ProfileOptions(activities=["TPU"]))
+
+
+def test_update_in_bf16_repacks_every_linear(model_dir: str, model_dir_v2: str) -> None:
+    """With bf16 linears (weights held only in bf16 and packed), an update in place serves exactly what
+    an engine loaded on the new weights serves (the tied lm_head's copy: test_cpu_linear)."""
+    from services.scheduler.kernels import cpu_linear
+
+    if not cpu_linear.supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear in this torch")
+
+    def bf16_engine(path: str) -> Engine:
+        return Engine(EngineConfig(model=path, device="cpu", dtype="bfloat16", max_total_tokens=4000,
+                                   max_running_requests=16))
+
+    want = [r.output_ids for r in bf16_engine(model_dir_v2).generate(PROMPTS, greedy(12))]
+    engine = bf16_engine(model_dir)
+    assert [r.output_ids for r in engine.generate(PROMPTS, greedy(12))] != want
+    assert control.update_weights(engine, model_dir_v2).success
+    assert [r.output_ids for r in engine.generate(PROMPTS, greedy(12))] == want
