@@ -2,10 +2,15 @@
 
     python -m bench.detokenizer_bench [--requests 256] [--steps 400] [--model M] [--stop] [--logprobs K]
 
-Prints tokens/s for the core (Detokenizer.step on dataclasses) and through the servicer
-(protobuf StepBatch in -> decode -> SubscribeResponse per owner queued to subscribers), per core
-(CPU time of this process, so other load on the machine does not skew it):
-the tokenizers library's own thread pool is switched off so the number is per core.
+Prints, per core (CPU time of this process, so other load on the machine does not skew it; the
+tokenizers library's own thread pool is switched off):
+  - the decode state alone (IncrementalDecoder.step), microseconds per token, on four kinds of text
+    (English, code, emoji/CJK, and a run of rare emoji whose every character the byte-level BPE splits
+    across ids), skip_special_tokens both ways, for each path: the batched Python decode, the
+    DecodeStream path as the decoder runs it (with the window it mirrors), and bare
+    tokenizers.decoders.DecodeStream.step calls (the floor);
+  - tokens/s for the core (Detokenizer.step on dataclasses) and through the servicer
+    (protobuf StepBatch in -> decode -> SubscribeResponse per owner queued to subscribers).
 """
 
 from __future__ import annotations
@@ -19,16 +24,28 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import time  # noqa: E402
 
+from tokenizers.decoders import DecodeStream  # noqa: E402
+
 from ringserve.message import DecodeParams, Logprob, SamplingParams, StepBatch, TokenDelta  # noqa: E402
 from ringserve.text_tokenizer import TextTokenizer, default_model  # noqa: E402
 from ringserve.v1 import detokenizer_pb2 as pb  # noqa: E402
 from services.detokenizer.config import DetokenizerConfig  # noqa: E402
+from services.detokenizer.decode_state import DecodeJob, IncrementalDecoder  # noqa: E402
 from services.detokenizer.detokenizer import Detokenizer  # noqa: E402
 from services.detokenizer.server import build_servicer  # noqa: E402
 
 TEXT = ("The detokenizer turns token ids into text, one step at a time. 東京は日本の首都です。"
         "Emoji 😀🚀👍🏽 and naïve café résumé. 我们喜欢机器学习。 The quick brown fox jumps. ") * 8
 OWNERS = 4
+# The decode-state comparison's texts: what a chat model streams, and the worst case for holding back.
+KINDS = {
+    "english": "Serving language models means streaming text one token at a time, and the detokenizer "
+               "turns every new token id into the text the client sees next. ",
+    "code": "def merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:\n"
+            "    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}  # sum\n",
+    "emoji_cjk": "東京は日本の首都です。我们喜欢机器学习。 Emoji 😀🚀👍🏽 naïve café. 한국어 텍스트. ",
+    "split_utf8": "🦀🧬🪐🫠🧿🪷🫧🦩🪸🧊",
+}
 
 
 def token_stream(tok: TextTokenizer, n: int) -> list[int]:
@@ -46,6 +63,43 @@ def logprobs(token_id: int, k: int) -> list[Logprob]:
     if k < 0:
         return []
     return [Logprob(token_id, -0.5, tuple((token_id + j, -1.0 - j) for j in range(k)))]
+
+
+def bench_decode_state(tok: TextTokenizer, ids: list[int], n_req: int, steps: int, skip: bool,
+                       path: str) -> float:
+    """CPU microseconds per token of n_req requests decoding one token each per step (each request
+    starts at another point of `ids`); path: python, stream, or bare (DecodeStream.step alone)."""
+    stream = ids * ((n_req + steps) // len(ids) + 1)
+    if path == "bare":
+        raw = tok.tokenizer
+        streams = [DecodeStream(skip_special_tokens=skip) for _ in range(n_req)]
+        t0 = time.process_time()
+        for s in range(steps):
+            for i, ds in enumerate(streams):
+                ds.step(raw, stream[i + s])
+        return (time.process_time() - t0) / (n_req * steps) * 1e6
+    dec = IncrementalDecoder(tok, use_stream=path == "stream")
+    states = [dec.new_state(skip) for _ in range(n_req)]
+    t0 = time.process_time()
+    for s in range(steps):
+        for i, st in enumerate(states):
+            st.append([stream[i + s]])
+        dec.step([DecodeJob(st, False) for st in states])
+    return (time.process_time() - t0) / (n_req * steps) * 1e6
+
+
+def print_decode_state(tok: TextTokenizer, n_req: int, steps: int) -> None:
+    print(f"decode state alone (IncrementalDecoder.step): {n_req} requests x {steps} steps, "
+          "CPU us per token (python: batched decode + commit loop; stream: DecodeStream path; "
+          "bare: DecodeStream.step calls only)")
+    for kind, text in KINDS.items():
+        ids = tok.encode(text * 4, add_special_tokens=False)
+        held = sum(tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids))) / len(ids)
+        for skip in (True, False):
+            us = {p: bench_decode_state(tok, ids, n_req, steps, skip, p) for p in ("python", "stream", "bare")}
+            print(f"  {kind:<10} skip_special={'yes' if skip else 'no ':<3} (ids ending mid-character: "
+                  f"{held:4.0%})  python {us['python']:5.2f}  stream {us['stream']:5.2f}  bare {us['bare']:5.2f}"
+                  f"  -> {us['python'] / us['stream']:.1f}x")
 
 
 def bench_core(tok: TextTokenizer, n_req: int, steps: int, stop: bool, k: int) -> float:
@@ -98,6 +152,7 @@ def main() -> None:
                     help="every token carries its logprob and K alternatives (default: no logprobs)")
     args = ap.parse_args()
     tok = TextTokenizer.from_model(args.model)
+    print_decode_state(tok, args.requests, max(1, args.steps // 4))
     core = bench_core(tok, args.requests, args.steps, args.stop, args.logprobs)
     via = asyncio.run(bench_servicer(tok, args.requests, args.steps, args.stop, args.logprobs))
     print(f"detokenizer bench: {args.requests} concurrent requests x {args.steps} steps, "

@@ -67,15 +67,16 @@ class TokenDelta:
 
     @classmethod
     def from_pb(cls, d: detokenizer_pb2.TokenDelta) -> TokenDelta:
-        # Hot path: slicing a repeated field is ~5x faster than list().
-        return cls(rid=d.rid, ids=d.ids[:], offset=d.offset,
-                   params=DecodeParams.from_pb(d.params) if d.HasField("params") else None,
-                   finish=Finish.from_pb(d.finish) if d.HasField("finish") else None,
-                   logprobs=Logprob.list_from_pb(d.logprobs) if len(d.logprobs) else [],
-                   cached_tokens=d.cached_tokens,
-                   timings=Timings.from_pb(d.timings) if d.HasField("timings") else None,
-                   input_logprobs=Logprob.list_from_pb(d.input_logprobs) if len(d.input_logprobs) else [],
-                   weight_version=d.weight_version)
+        # Hot path (once per request per step): slicing a repeated field is ~5x faster than list(), and
+        # positional arguments (in field order) halve the constructor's cost against keywords.
+        return cls(d.rid, d.ids[:], d.offset,
+                   DecodeParams.from_pb(d.params) if d.HasField("params") else None,
+                   Finish.from_pb(d.finish) if d.HasField("finish") else None,
+                   Logprob.list_from_pb(d.logprobs) if len(d.logprobs) else [],
+                   d.cached_tokens,
+                   Timings.from_pb(d.timings) if d.HasField("timings") else None,
+                   Logprob.list_from_pb(d.input_logprobs) if len(d.input_logprobs) else [],
+                   d.weight_version)
 
 
 @dataclass(slots=True)
@@ -114,10 +115,14 @@ class TextDelta:
     weight_version: str = ""         # on the first and the last delta
 
     def add_to(self, resp: detokenizer_pb2.SubscribeResponse) -> None:
-        """Append to `resp` (adding in place with keywords is the cheapest way to build it)."""
+        """Append to `resp` (adding in place with keywords is the cheapest way to build it; the fields
+        most deltas leave at their default are set only when they are not: ~0.1 us each per token)."""
         out = resp.deltas.add(rid=self.rid, token_offset=self.token_offset, ids=self.ids,
-                              text_offset=self.text_offset, text=self.text, prompt_tokens=self.prompt_tokens,
-                              cached_tokens=self.cached_tokens, weight_version=self.weight_version)
+                              text_offset=self.text_offset, text=self.text, prompt_tokens=self.prompt_tokens)
+        if self.cached_tokens:
+            out.cached_tokens = self.cached_tokens
+        if self.weight_version:
+            out.weight_version = self.weight_version
         for lp in self.logprobs:
             lp.add_to(out.logprobs)
         for lp in self.input_logprobs:

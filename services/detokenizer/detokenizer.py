@@ -130,12 +130,11 @@ class Detokenizer:
         st.decode.append(decode_ids)
         return st, ids
 
-    @staticmethod
-    def _new_state(rid: str, params: DecodeParams) -> RequestState:
+    def _new_state(self, rid: str, params: DecodeParams) -> RequestState:
         # spaces_between_special_tokens is not read: fast (Rust) tokenizers ignore it, as
         # transformers' and vLLM's fast paths do; it travels in SamplingParams for the API only.
         sp = params.sampling
-        return RequestState(rid=rid, params=params, decode=DecodeState(skip_special_tokens=sp.skip_special_tokens),
+        return RequestState(rid=rid, params=params, decode=self.decoder.new_state(sp.skip_special_tokens),
                             stop=StopTrimmer(sp.stop, sp.no_stop_trim, sp.stop_regex))
 
     # -- emitting text ---------------------------------------------------------------------

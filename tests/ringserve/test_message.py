@@ -63,10 +63,10 @@ def test_ring_messages_round_trip() -> None:
     timings = Timings(queue_s=0.5, decode_s=1.25)
     delta = TokenDelta(rid="r", ids=[5, 6], offset=3, params=DecodeParams("tok-1", sp, stream=True, prompt_tokens=4),
                        finish=finish, logprobs=[lp, Logprob(6, -0.5)], cached_tokens=2, timings=timings,
-                       input_logprobs=[Logprob(1, float("-inf"))])
+                       input_logprobs=[Logprob(1, float("-inf"))], weight_version="v2")
     assert StepBatch.from_pb(StepBatch([delta], sent_at=1.5, resync=True).to_pb()) == StepBatch([delta], 1.5, True)
     text = TextDelta(rid="r", token_offset=3, ids=[5, 6], text_offset=1, text="ab", logprobs=[lp], finish=finish,
-                     prompt_tokens=4, cached_tokens=2, timings=timings)
+                     prompt_tokens=4, cached_tokens=2, timings=timings, weight_version="v2")
     resp = detokenizer_pb2.SubscribeResponse()
     text.add_to(resp)
     assert TextDelta.from_pb(resp.deltas[0]) == text
