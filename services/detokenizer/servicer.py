@@ -22,6 +22,7 @@ from services.detokenizer.subscriptions import Subscriptions
 
 log = logging.getLogger(__name__)
 PUSH_OUTBOX = 64  # control messages to one scheduler; resyncs beyond it are dropped with a log line
+MERGE_BATCHES = 32  # most queued batches merged into one SubscribeResponse
 
 
 class _SchedulerLink:
@@ -107,6 +108,12 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServiceServicer):
             # tokenizer counts it as up only now (a READY channel alone proves nothing).
             yield detokenizer_pb2.SubscribeResponse()
             while (item := await sub.get()) is not None:
+                # Batches that queued while the last message was written go out with it: when the
+                # ring, not the forward, sets the pace, the tokenizer gets fewer, larger messages (a
+                # message's gRPC cost, not its deltas, is most of either side's CPU per token). The
+                # earliest step_sent_at stays, so the hop latency it measures is not understated.
+                for more in sub.take_ready(MERGE_BATCHES):
+                    item.deltas.extend(more.deltas)
                 yield item
         finally:
             self.subs.unsubscribe(sub)

@@ -37,11 +37,25 @@ class Subscription(Generic[T]):
         self.owner = owner
         self.queue: asyncio.Queue[T | _Closed] = asyncio.Queue(maxsize=maxsize)
         self.closed = False
+        self._marker_taken = False  # take_ready met the close marker: get() answers None next
 
     async def get(self) -> T | None:
         """Next batch, or None once the subscription is closed."""
+        if self._marker_taken:
+            return None
         item = await self.queue.get()
         return None if isinstance(item, _Closed) else item
+
+    def take_ready(self, limit: int) -> list[T]:
+        """Up to `limit` batches queued now, in order, without waiting (none past the close marker)."""
+        items: list[T] = []
+        while len(items) < limit and not self._marker_taken and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, _Closed):
+                self._marker_taken = True
+            else:
+                items.append(item)
+        return items
 
     def take_pending(self) -> list[T]:
         """What is queued and not yet sent, in order (the queue is left empty)."""

@@ -142,3 +142,19 @@ async def test_subscribe_without_owner_is_invalid(stub) -> None:  # type: ignore
         async for _ in stub.Subscribe(pb.SubscribeRequest(owner="")):
             pass
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_batches_queued_behind_a_slow_subscriber_go_out_as_one_message(
+        stub, tiny_tok: TextTokenizer) -> None:  # type: ignore[no-untyped-def]
+    push = await PushStream.connect(stub, "sched-0")
+    for i, text in enumerate(("one", "two", "three")):  # three steps before anyone reads them
+        await push.send(delta(tiny_tok, f"r{i}", "tok-m", text))
+    other = stub.Subscribe(pb.SubscribeRequest(owner="tok-x"))
+    assert await push.next_resync() == "tok-x"  # the three batches before it were processed
+    sub = stub.Subscribe(pb.SubscribeRequest(owner="tok-m"))
+    assert await asyncio.wait_for(sub.read(), TIMEOUT) == pb.SubscribeResponse()  # the handshake
+    merged = cast(pb.SubscribeResponse, await asyncio.wait_for(sub.read(), TIMEOUT))
+    assert [(d.rid, d.text) for d in merged.deltas] == [("r0", "one"), ("r1", "two"), ("r2", "three")]
+    await push.out.put(None)
+    sub.cancel()
+    other.cancel()

@@ -70,3 +70,16 @@ async def test_close_all_ends_streams_after_queued_items() -> None:
     await subs.publish("o", 1)
     subs.close_all()
     assert await sub.get() == 1 and await sub.get() is None
+
+
+async def test_take_ready_takes_what_is_queued_up_to_the_limit_and_stops_at_close() -> None:
+    subs: Subscriptions[int] = Subscriptions(queue_size=8)
+    sub = subs.subscribe("o")
+    for i in range(4):
+        await subs.publish("o", i)
+    assert await sub.get() == 0
+    assert sub.take_ready(2) == [1, 2]
+    subs.close_all()
+    assert sub.take_ready(5) == [3]  # the close marker is taken, not lost:
+    assert await sub.get() is None
+    assert sub.take_ready(5) == []
