@@ -6,7 +6,10 @@
 Runs the scheduler's Engine in this process on the model (float32 on CPU unless --dtype), brings
 `b` requests of `context` prompt tokens into the running batch, then times `steps` decode steps
 with a timer around each op family: the linears (by projection), attention (the backend, K/V store
-included), rotary, the norms (with their residual adds), the embedding, sampling; "other in the
+included), rotary, the norms (with their residual adds), the embedding, sampling, the attention
+metadata (the backend's per-step bookkeeping; on CPU the dense decode rows: the K/V of requests
+joining the decode batch copied from the pool, once per request, so mostly in the first timed step,
+the one the prefilled requests join, and the rows of requests that finished freed); "other in the
 forward" is what the model does between them (activation, views, adds), "scheduling" the step
 outside the forward and sampling. A timed call inside another is counted once, in the outer one.
 
@@ -76,6 +79,7 @@ def instrument(engine: Any) -> tuple[Timers, dict[str, float]]:
         timers.wrap(model.lm_head, "forward", "linear lm_head")
     timers.wrap(model.embed_tokens, "forward", "embedding")
     timers.wrap(runner.attn_backend, "forward", "attention")
+    timers.wrap(runner.attn_backend, "init_forward_metadata", "attention metadata")
     timers.wrap(model.rotary, "apply", "rotary")
     timers.wrap(engine.scheduler, "sample", "sampling")
     totals: dict[str, float] = defaultdict(float)

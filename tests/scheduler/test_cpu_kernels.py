@@ -1,5 +1,5 @@
-"""The C kernels against plain torch: attention (decode and prefill), the decode step's K/V store, rotary,
-the SiLU gate, the residual add with RMSNorm, and greedy argmax."""
+"""The C kernels against plain torch: attention (decode and prefill, the decode step's K/V store with it),
+the dense decode rows' fill, rotary, the SiLU gate, the residual add with RMSNorm, and greedy argmax."""
 
 from __future__ import annotations
 
@@ -289,26 +289,59 @@ def test_refuses_queries_whose_heads_are_not_contiguous(kernel) -> None:
 
 
 @pytest.mark.parametrize("with_pool", [True, False])
-def test_store_kv_writes_pool_slots_and_dense_rows(kernel, with_pool: bool) -> None:
-    """What index_copy_ into the pool and the dense cache's advanced-index put would write."""
+def test_decode_writes_the_new_kv_into_pool_slots_and_dense_rows(kernel, threads: int, with_pool: bool) -> None:
+    """What index_copy_ into the pool and the dense cache's advanced-index put would write, and the
+    attention over rows that hold the new key (the store and the read are one pass)."""
     torch.manual_seed(5)
-    b, heads, dim, l_cap = 3, 4, 32, 24
-    qkv = torch.randn(b, 3 * heads * dim)
-    k, v = qkv[:, heads * dim: 2 * heads * dim].view(b, heads, dim), qkv[:, 2 * heads * dim:].view(b, heads, dim)
+    b, heads, group, dim, l_cap = 3, 4, 2, 32, 24
+    qkv = torch.randn(b, (group + 2) * heads * dim)  # strided views into one output, as in a layer
+    q = qkv[:, :group * heads * dim].view(b, heads, group, dim)
+    k = qkv[:, group * heads * dim:(group + 1) * heads * dim].view(b, heads, dim)
+    v = qkv[:, (group + 1) * heads * dim:].view(b, heads, dim)
     pool_k, pool_v = torch.zeros(10, heads, dim), torch.zeros(10, heads, dim)
-    kt_buf, v_buf = torch.zeros(5, heads, dim, l_cap), torch.zeros(5, heads, l_cap, dim)
+    kt_buf, v_buf = torch.randn(5, heads, dim, l_cap), torch.randn(5, heads, l_cap, dim)
     rows, new_pos, loc = torch.tensor([3, 0, 4]), torch.tensor([7, 0, 23]), torch.tensor([9, 2, 5])
-    layout = cpu_kernels.decode_layout(torch.tensor([1, 1, 1, 8, 24]), l_cap, rows, new_pos, loc, 10)
-    kernel.store_kv(k, v, layout, kt_buf, v_buf, (pool_k, pool_v) if with_pool else None)
-    want_kt, want_v = torch.zeros_like(kt_buf), torch.zeros_like(v_buf)
+    lens = torch.tensor([1, 1, 1, 8, 24])
+    want_kt, want_v = kt_buf.clone(), v_buf.clone()
     want_kt[rows, :, :, new_pos] = k
     want_v[rows, :, new_pos] = v
+    layout = cpu_kernels.decode_layout(lens, l_cap, rows, new_pos, loc, 10)
+    got = kernel.decode_attention(q, kt_buf, v_buf, layout, dim ** -0.5, new_kv=(k, v),
+                                  pool=(pool_k, pool_v) if with_pool else None)
     assert torch.equal(kt_buf, want_kt) and torch.equal(v_buf, want_v)
     want_pool_k, want_pool_v = torch.zeros_like(pool_k), torch.zeros_like(pool_v)
     if with_pool:
         want_pool_k.index_copy_(0, loc, k)
         want_pool_v.index_copy_(0, loc, v)
     assert torch.equal(pool_k, want_pool_k) and torch.equal(pool_v, want_pool_v)
+    want = reference(q.contiguous(), want_kt[rows], want_v[rows], lens[rows], dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError):  # the pool is written with the new K/V only
+        kernel.decode_attention(q, kt_buf, v_buf, layout, dim ** -0.5, pool=(pool_k, pool_v))
+
+
+@pytest.mark.parametrize("heads,dim", [(3, 64), (2, 32)])
+def test_fill_rows_copies_pool_slots_into_dense_rows(kernel, threads: int, heads: int, dim: int) -> None:
+    """What the torch fill (index_select, then a permuted copy per request) writes; the rest untouched."""
+    torch.manual_seed(heads * dim)
+    pool_k, pool_v = torch.randn(50, heads, dim), torch.randn(50, heads, dim)
+    kt_buf, v_buf = torch.randn(6, heads, dim, 40), torch.randn(6, heads, 40, dim)
+    want_kt, want_v = kt_buf.clone(), v_buf.clone()
+    joins = [(4, torch.randperm(50)[:37]), (0, torch.tensor([3])), (2, torch.randperm(50)[:40]),
+             (5, torch.tensor([], dtype=torch.int64))]
+    for row, slots in joins:
+        want_kt[row, :, :, :len(slots)] = pool_k[slots].permute(1, 2, 0)
+        want_v[row, :, :len(slots)] = pool_v[slots].transpose(0, 1)
+    start = torch.tensor([0] + list(itertools.accumulate(len(s) for _, s in joins)))
+    kernel.fill_rows((pool_k, pool_v), torch.cat([s for _, s in joins]), start,
+                     torch.tensor([r for r, _ in joins]), kt_buf, v_buf)
+    assert torch.equal(kt_buf, want_kt) and torch.equal(v_buf, want_v)
+    with pytest.raises(AssertionError):  # a slot past the pool
+        kernel.fill_rows((pool_k, pool_v), torch.tensor([50]), torch.tensor([0, 1]), torch.tensor([0]),
+                         kt_buf, v_buf)
+    with pytest.raises(AssertionError):  # more keys than a row holds
+        kernel.fill_rows((pool_k, pool_v), torch.zeros(41, dtype=torch.int64), torch.tensor([0, 41]),
+                         torch.tensor([0]), kt_buf, v_buf)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 200])

@@ -39,18 +39,24 @@ def test_dense_rows_follow_joins_leaves_and_reuse(runner: ModelRunner) -> None:
         runner.forward(make_batch([t], ForwardMode.EXTEND, [len(t.ids)]))
         twins.append(t)
 
-    def step(active: list[int]) -> None:
+    def step(active: list[int]) -> list[int]:
+        """One decode step of `active`; returns each one's dense row."""
         dense = decode(runner, [seqs[i] for i in active], dense=True)
         gathered = decode(runner, [twins[i] for i in active], dense=False)
         torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
         cache = runner.attn_backend.dense
-        assert sorted(cache.row_of.values()) == list(range(len(active)))  # rows 0..B-1 = the batch
+        rows = [cache.row_of[seqs[i].row] for i in active]
+        assert len(set(rows)) == len(active) and [cache.req_at[r] for r in rows] == [seqs[i].row for i in active]
+        assert sorted(cache.holes) == [r for r in range(len(cache.req_at)) if r not in rows]
+        return rows
 
+    assert step([0, 1, 2, 3]) == [0, 1, 2, 3]
     step([0, 1, 2, 3])
-    step([0, 1, 2, 3])
-    step([0, 2, 3])      # a request in the middle leaves: the last row moves into its hole
-    step([3, 0])         # another leaves, order changes
-    step([3, 0, 1])      # one comes back: refilled from the pool
+    assert step([0, 2, 3]) == [0, 2, 3]  # a request in the middle leaves: its row is a hole, nothing moves
+    assert step([3, 0]) == [3, 0]        # another leaves, order changes
+    assert step([3, 0, 1]) == [3, 0, 1]  # one comes back, refilled from the pool into the lowest hole
+    assert step([0, 1]) == [0, 1]        # the last row leaves: the holes at the end are dropped
+    assert len(runner.attn_backend.dense.req_at) == 2
     # Request 2's req_to_token row is reused by a new request: its EXTEND must drop the stale row.
     old_row = seqs[2].row
     runner.req_to_token_pool.free(old_row)

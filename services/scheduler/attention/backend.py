@@ -91,7 +91,7 @@ class TorchSDPABackend:
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
                                        self.req_to_token.shape[1], max_bytes=decode_cache_bytes,
-                                       native=native is not None)
+                                       native=native)
                       if self.device.type == "cpu" else None)
 
     # ---- per forward pass ----
@@ -232,16 +232,16 @@ class TorchSDPABackend:
     def _decode_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, md: SDPAMetadata,
                        write_pool: bool) -> torch.Tensor:
         # One pass over each row's own keys (no padding, no mask, no gather into row order): ~2x the
-        # matmul pair of the torch path.
+        # matmul pair of the torch path. The new K/V are written (dense row and, unless a mixed step's
+        # pool write already did, the pool) by the same call, each row just before it is read.
         assert self.dense is not None and self.native is not None and md.layout is not None
         bs = q.shape[0]
         k_buf, v_buf = self.dense.buffers(layer_id)
-        self.native.store_kv(k, v, md.layout, k_buf, v_buf,
-                             self.kv_pool.get_kv_buffer(layer_id) if write_pool else None)
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
         out = self.native.decode_attention(q.view(bs, self.num_kv_heads, self.group, self.head_dim), k_buf, v_buf,
                                            md.layout, scale, self.dense.prefix_buffers(layer_id),
-                                           window=self.windows[layer_id])
+                                           window=self.windows[layer_id], new_kv=(k, v),
+                                           pool=self.kv_pool.get_kv_buffer(layer_id) if write_pool else None)
         return out.view(bs, -1)  # [B, Hq * D]
 
     def _decode_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -1,5 +1,6 @@
 """Native CPU kernels (csrc/*.c, built by kernel_build.py), called via ctypes: attention (decode and
-prefill), a decode step's K/V store, the fused elementwise steps of a layer (rotary, SiLU gate, the
+prefill; a decode step's K/V store is part of the decode call), the dense decode rows' fill from the KV
+pool, the fused elementwise steps of a layer (rotary, SiLU gate, the
 residual add with its RMSNorm) and greedy argmax.
 
 `load()` returns None when there is no compiler (a slim image) or the build fails, and callers keep
@@ -129,10 +130,11 @@ class NativeKernels:
         lib = ctypes.CDLL(str(lib_path))
         self._decode = self._fn(lib.decode_attention_f32, ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I,
                                                                          _I, _I, _I, _F, ctypes.c_int, _P, _P, _P,
-                                                                         _P, _I, _I])
+                                                                         _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
+                                                                         _P])
         self._extend = self._fn(lib.extend_attention_f32, ctypes.c_int,
                                 [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int, _I])
-        self._store = self._fn(lib.store_kv_f32, None, [_P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I])
+        self._fill = self._fn(lib.fill_rows_f32, None, [_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, ctypes.c_int])
         self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
         self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
         self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int])
@@ -151,12 +153,15 @@ class NativeKernels:
 
     def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, layout: DecodeLayout,
                          scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """window: the layer's sliding window (a row of n keys reads its last `window`); None: all.
         q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
         [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous float32 on CPU; prefix: the shared
-        prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. Returns
-        [B, H, G, D] in batch order."""
+        prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. new_kv: the
+        step's new k, v ([B, H, D], each request's contiguous, any stride), first written at
+        layout.new_pos of each request's dense row and, with `pool` ([S, H, D] K and V buffers), at pool
+        slot layout.loc: the row's store and its read are one pass. Returns [B, H, G, D] in batch order."""
         b, h, g, d = q.shape
         _rows_of_heads(q)
         assert b == len(layout.rows)
@@ -166,33 +171,51 @@ class NativeKernels:
             assert prefix is not None and layout.plen is not None  # plen is set together with entry
             _check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap)
             ptrs = [prefix[0].data_ptr(), prefix[1].data_ptr(), layout.entry.data_ptr(), layout.plen.data_ptr()]
+        store: list[int | None] = [None, 0, None, 0, None, None, None, None]
+        if new_kv is not None:
+            k, v = new_kv
+            _rows_of_heads(k)
+            _rows_of_heads(v)
+            assert k.shape == v.shape == (b, h, d) and layout.new_pos is not None
+            store[:5] = [k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), layout.new_pos.data_ptr()]
+            if pool is not None:
+                assert layout.loc is not None
+                for t in pool:
+                    assert t.dtype == torch.float32 and t.is_contiguous() and t.shape[1:] == (h, d)
+                store[5:] = [pool[0].data_ptr(), pool[1].data_ptr(), layout.loc.data_ptr()]
+        else:
+            assert pool is None, "the pool is written only with new_kv"
         out = q.new_empty(b, h, g, d)
         scratch, threads = self._scratch(g, layout.p_cap + layout.l_cap)
         if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
                         layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d, layout.l_cap,
-                        scale, threads, *ptrs, layout.p_cap, window or 0) != 0:
+                        scale, threads, *ptrs, layout.p_cap, window or 0, *store) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layout: DecodeLayout, kt_buf: torch.Tensor,
-                 v_buf: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Write each request's new k, v ([B, H, D] float32, each request's contiguous, any stride) at
-        layout.new_pos of its dense row (kt_buf / v_buf as in decode_attention) and, with `pool`
-        ([S, H, D] K and V buffers), at pool slot layout.loc."""
-        b, h, d = k.shape
-        _rows_of_heads(k)
-        _rows_of_heads(v)
-        assert v.shape == k.shape and b == len(layout.rows) and layout.new_pos is not None
-        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap)
-        pk = pv = loc = None
-        if pool is not None:
-            assert layout.loc is not None
-            for t in pool:
-                assert t.dtype == torch.float32 and t.is_contiguous() and t.shape[1:] == (h, d)
-            pk, pv, loc = pool[0].data_ptr(), pool[1].data_ptr(), layout.loc.data_ptr()
-        self._store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), b, h, d, pk, pv, loc, kt_buf.data_ptr(),
-                    v_buf.data_ptr(), layout.rows.data_ptr(), layout.new_pos.data_ptr(), layout.l_cap)
+    def fill_rows(self, pool: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, start: torch.Tensor,
+                  rows: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """Copy request j's keys and values from the KV pool (pool: [S, H, D] K and V, contiguous float32)
+        at slots[start[j]:start[j + 1]] into dense row rows[j] from position 0 (kt_buf / v_buf as in
+        decode_attention). slots: [N] int64 (each below S); start: [J + 1] int64 from 0 to N; rows: [J]
+        int64 (each below Bcap); all contiguous."""
+        pk, pv = pool
+        s, h, d = pk.shape
+        for t in (pk, pv):
+            assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.shape == (s, h, d)
+        for t in (slots, start, rows):
+            assert t.dtype == torch.int64 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
+        j = len(rows)
+        assert len(start) == j + 1 and int(start[0]) == 0 and int(start[-1]) == len(slots)
+        if j == 0:
+            return
+        n = start[1:] - start[:-1]
+        _check_kv(kt_buf, v_buf, h, d, int(rows.max()) + 1, kt_buf.shape[3])
+        assert int(n.min()) >= 0 and int(n.max()) <= kt_buf.shape[3] and int(rows.min()) >= 0
+        assert len(slots) == 0 or (int(slots.min()) >= 0 and int(slots.max()) < s)
+        self._fill(pk.data_ptr(), pv.data_ptr(), slots.data_ptr(), start.data_ptr(), rows.data_ptr(), j, h, d,
+                   kt_buf.data_ptr(), v_buf.data_ptr(), kt_buf.shape[3], torch.get_num_threads())
 
     def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
                          scale: float, window: int | None = None) -> torch.Tensor:

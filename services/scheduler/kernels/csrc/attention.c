@@ -19,6 +19,9 @@
  *   at 64 rows of ~360 keys (4.5M-parameter model).
  *   q [B, H, G, D] with rows q_stride floats apart; kt [Bcap, H, D, Lcap]; v [Bcap, H, Lcap, D];
  *   out [B, H, G, D]; pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; lens, entry, plen [Bcap]
+ *   kn, vn (or NULL): the step's new keys and values [B, H, D], rows kn_stride / vn_stride floats apart,
+ *   written at new_pos[b] of each row first (and, pool_k not NULL, into pool slots loc[b] of the KV pool
+ *   pool_k / pool_v [S, H, D]): the store and the read of a row are one pass.
  * extend_attention_f32: request b's new tokens q_start[b] .. q_start[b+1]-1 follow prefix[b] cached
  *   ones; its i-th new token sees keys [0, prefix[b] + i] (causal after the prefix), read from the KV
  *   pool through its slots.
@@ -191,13 +194,40 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
         else { BODY(G, 256) }                                                                          \
     } else { BODY(G, D) }
 
+/* A decode step's new key and value of one (request, KV head), kn / vn (D floats each), written at
+ * position p of its dense row (kt: that row's K^T [D][Lcap]; vt: its V [Lcap][D]) and, pk_slot not NULL,
+ * into its KV pool slot (pk_slot / pv_slot: D floats each). Done by the task that attends over the row
+ * right after: a separate pass touched each row's D K^T lines while they were cold (one cache miss per
+ * float written, ~150 us a layer at 64 requests), where here they are the lines `scores` reads next. */
+static inline __attribute__((always_inline)) void put(const float *restrict kn, const float *restrict vn,
+                                                       float *restrict kt, float *restrict vt, int64_t p,
+                                                       int64_t Lcap, float *restrict pk_slot,
+                                                       float *restrict pv_slot, const int64_t D) {
+    for (int64_t d = 0; d < D; d++) kt[d * Lcap + p] = kn[d];
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) vt[p * D + d] = vn[d];
+    if (pk_slot) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) {
+            pk_slot[d] = kn[d];
+            pv_slot[d] = vn[d];
+        }
+    }
+}
+
 /* Request b's keys live in dense row r: plen[r] from shared prefix entry entry[r] (pk/pv: [E, H, D, Pcap] /
  * [E, H, Pcap, D]; entry may be NULL: no sharing), then lens[r] - plen[r] of its own. With a window, the
- * keys before lo = lens[r] - window are skipped: first the prefix's, then the row's own. */
+ * keys before lo = lens[r] - window are skipped: first the prefix's, then the row's own. With kn (else
+ * NULL), the task first writes the step's new key and value at new_pos[b] of its row (`put`). */
 #define DECODE_ROWS(GC, DC)                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
         const int64_t b = bh / H, h = bh % H, r = rows ? rows[b] : b;                                  \
+        if (kn)                                                                                        \
+            put(kn + b * kn_stride + h * (DC), vn + b * vn_stride + h * (DC),                          \
+                kt + (r * H + h) * (DC) * Lcap, v + (r * H + h) * Lcap * (DC), new_pos[b], Lcap,         \
+                pool_k ? pool_k + (loc[b] * H + h) * (DC) : NULL,                                      \
+                pool_k ? pool_v + (loc[b] * H + h) * (DC) : NULL, (DC));                               \
         const int64_t pl = entry ? plen[r] : 0;                                                        \
         const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
         const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;                      \
@@ -212,10 +242,12 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
              nb < B * H ? v + (nr * H + nh) * Lcap * (DC) : NULL);                                      \
     }
 
-int decode_attention_f32(const float *q, int64_t q_stride, const float *kt, const float *v, const int64_t *rows,
+int decode_attention_f32(const float *q, int64_t q_stride, float *kt, float *v, const int64_t *rows,
                          const int64_t *lens, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
                          int64_t D, int64_t Lcap, float scale, int threads, const float *pk, const float *pv,
-                         const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window) {
+                         const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
+                         const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
+                         const int64_t *new_pos, float *pool_k, float *pool_v, const int64_t *loc) {
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
     if (!entry) Pcap = 0;
     DISPATCH(DECODE_ROWS)
@@ -234,6 +266,36 @@ static inline __attribute__((always_inline)) void gather(const float *restrict p
         for (int64_t d = 0; d < D; d++) kt[d * Lcap + l] = ks[d];
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) vt[l * D + d] = vs[d];
+    }
+}
+
+/* The dense decode rows' fill (decode_cache.py), one layer: J requests joining the decode batch, request
+ * j's first start[j + 1] - start[j] keys, from the pool slots slots[start[j] ..), into dense row rows[j]
+ * from position 0 (kt [Bcap, H, D, Lcap], v [Bcap, H, Lcap, D]). One request per task, all its heads:
+ * each pool slot's [H, D] is read once, and K^T is written 16 positions (a cache line) at a time from
+ * 16 slots held in L1. torch took an index_select and a permuted copy per (request, layer, K or V). */
+#define FILL_L 16
+void fill_rows_f32(const float *pool_k, const float *pool_v, const int64_t *slots, const int64_t *start,
+                   const int64_t *rows, int64_t J, int64_t H, int64_t D, float *kt, float *v, int64_t Lcap,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t j = 0; j < J; j++) {
+        const int64_t r = rows[j], n = start[j + 1] - start[j];
+        const int64_t *restrict sl = slots + start[j];
+        for (int64_t l0 = 0; l0 < n; l0 += FILL_L) {
+            const int64_t m = n - l0 < FILL_L ? n - l0 : FILL_L;
+            for (int64_t h = 0; h < H; h++) {
+                float *restrict kd = kt + (r * H + h) * D * Lcap + l0;
+                float *restrict vd = v + ((r * H + h) * Lcap + l0) * D;
+                for (int64_t d = 0; d < D; d++)
+                    for (int64_t i = 0; i < m; i++) kd[d * Lcap + i] = pool_k[(sl[l0 + i] * H + h) * D + d];
+                for (int64_t i = 0; i < m; i++) {
+                    const float *restrict vs = pool_v + (sl[l0 + i] * H + h) * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) vd[i * D + d] = vs[d];
+                }
+            }
+        }
     }
 }
 
