@@ -81,7 +81,7 @@ class ModelRunner:
             logger.info("CPU threads: %d for prefill, %d for decode", self.prefill_threads, self.decode_threads)
         self.cpu_kernels = cpu_kernels
         self.kernel_cache = kernel_cache
-        # The C kernels (attention, K/V store, rotary, SiLU gate, norms, argmax) for float32 on CPU;
+        # The C kernels (attention with the decode K/V store, rotary, SiLU gate, norms, argmax) for float32 on CPU;
         # None: torch everywhere.
         self.native = (load_cpu_kernels(kernel_cache)
                        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels else None)
