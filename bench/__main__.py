@@ -43,14 +43,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lora", type=int, default=0,
                     help="serve N random LoRA adapters, every request on one of them in turn (gateway and "
                          "native targets only; default 0: none)")
-    ap.add_argument("--dtype", default="best", choices=("best", "float32", "bfloat16"),
-                    help="every server's --dtype; best: bfloat16 where this CPU has AVX512-BF16 or AMX, "
+    ap.add_argument("--dtype", default="best",
+                    help="every server's --dtype: best, float32 or bfloat16, one for all models or a comma "
+                         "list, one per --models entry. best: bfloat16 where this CPU has AVX512-BF16 or AMX, "
                          "else float32 (default)")
     args = ap.parse_args(argv)
-    if args.dtype == "best":
-        from services.scheduler.kernels.cpu_linear import native_bf16
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    dtypes = [d.strip() for d in args.dtype.split(",")]
+    if len(dtypes) == 1:
+        dtypes *= len(models)
+    if len(dtypes) != len(models) or set(dtypes) - {"best", "float32", "bfloat16"}:
+        ap.error("--dtype: best, float32 or bfloat16, once or once per --models entry")
+    from services.scheduler.kernels.cpu_linear import native_bf16
 
-        args.dtype = "bfloat16" if native_bf16() else "float32"
+    best = "bfloat16" if native_bf16() else "float32"
+    args.model_dtypes = [(m, best if d == "best" else d) for m, d in zip(models, dtypes)]
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     bad = [t for t in args.targets if t not in TARGETS]
     if bad:
@@ -75,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "stream_interval": args.stream_interval,
             "lora_adapters": args.lora,
-            "dtype": args.dtype,
+            "dtypes": {},  # model directory name -> the dtype both servers ran it in
             "targets": {t: DESCRIPTIONS[t] for t in args.targets},
             "workloads": [w.__dict__ | {"request_rate": str(w.request_rate)} for w in wls]}
     results: list[RunResult] = []
     per_model = sum(1 if t == "transformers" else len(wls) for t in args.targets)
-    total = per_model * len([m for m in args.models.split(",") if m.strip()])
+    total = per_model * len(args.model_dtypes)
     t_start = time.monotonic()
 
     def emit(r: RunResult) -> None:
@@ -93,16 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         report.write(out, results, meta)  # partial results survive an interrupt
 
     atexit.register(lambda: log(f"results in {out}"))
-    log(f"workloads: {', '.join(w.name for w in wls)}; targets: {', '.join(args.targets)}; dtype {args.dtype}; "
-        f"out: {out}")
+    log(f"workloads: {', '.join(w.name for w in wls)}; targets: {', '.join(args.targets)}; "
+        f"dtypes: {', '.join(f'{m} {d}' for m, d in args.model_dtypes)}; out: {out}")
     load = os.getloadavg()[0]
     if load > 0.5:
         log(f"warning: the machine is busy (1-min load average {load:.1f}); numbers will be noisy "
             "(each run's load average is in results.json)")
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+    for name, dtype in args.model_dtypes:
         model = resolve(name)
+        meta["dtypes"][model.name] = dtype
         run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval, args.repeats, args.lora,
-                  args.dtype)
+                  dtype)
     report.write(out, results, meta)
     made = plots.all_plots(results, out)
     print("\n" + report.markdown(results) + "\n", flush=True)

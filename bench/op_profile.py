@@ -205,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
 
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     model_dir = resolve(args.model)
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype,
+    # A pool that holds the largest batch whole: the CPU default (1 GiB of KV, ~23k tokens of this
+    # model in float32) would hold 64 x 384 only in part, and the "batch 64" step would decode fewer.
+    pool = max(batches + [1]) * (args.context + args.steps + 8) + args.prefill + 64
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype, max_total_tokens=pool,
                                  max_running_requests=max(batches + [1]), disable_radix_cache=True))
     engine.warmup()
     dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
@@ -228,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"decode at batch {b}: timing {args.steps} steps")
         timers.seconds.clear()
         totals.clear()
+        decoding = []
         for _ in range(args.steps):
+            decoding.append(len(engine.scheduler.running))
             engine.step()
+        if min(decoding) != b:
+            log(f"decode at batch {b}: only {min(decoding)}-{max(decoding)} requests decoded per step")
         print(report(f"decode, batch {b}", timers, totals, args.steps,
                      gemm_table(shapes, dict.fromkeys(shapes, b), dtypes), dtypes) + "\n", flush=True)
         drop(engine, rids)

@@ -108,7 +108,7 @@ def caption(run: Run, model: str) -> str:
     busy = f"; 1-minute load average {load:.1f} when it started" if isinstance(load, (int, float)) else ""
     repeats = run.meta.get("repeats", 1)
     started = run.meta.get("started", "date not recorded")
-    dtype = run.meta.get("dtype", "float32")  # runs before --dtype were float32 throughout
+    dtype = run.meta.get("dtypes", {}).get(model, "float32")  # runs before --dtype were float32 throughout
     return (f"**{model}** ({MODELS.get(model, 'a model directory')}; both servers in {dtype}). Run {started}, "
             f"commit `{commit}`, {where}{busy}. Command: `{command(run.meta)}`. Output tokens/s of the median of "
             f"{repeats} repeat{'s' if repeats != 1 else ''} and its ratio to vLLM CPU in the same run; "

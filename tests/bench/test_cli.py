@@ -18,3 +18,18 @@ def test_defaults_and_stream_interval() -> None:
 def test_unknown_target_is_refused() -> None:
     with pytest.raises(SystemExit):
         parse(["--targets", "gateway,nope"])
+
+
+def test_dtype_once_or_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.scheduler.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
+    args = parse(["--models", "smollm2-135m-instruct,tiny"])
+    assert args.model_dtypes == [("smollm2-135m-instruct", "bfloat16"), ("tiny", "bfloat16")]
+    args = parse(["--models", "smollm2-135m-instruct,tiny", "--dtype", "best,float32"])
+    assert args.model_dtypes == [("smollm2-135m-instruct", "bfloat16"), ("tiny", "float32")]
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
+    assert parse(["--models", "tiny"]).model_dtypes == [("tiny", "float32")]
+    for bad in ("float64", "best,float32"):  # not a dtype; two for one model
+        with pytest.raises(SystemExit):
+            parse(["--models", "tiny", "--dtype", bad])

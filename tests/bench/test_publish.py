@@ -42,6 +42,7 @@ def _results(models: tuple[str, ...] = (TINY, DEFAULT), commit: str | None = "ab
         ]
     meta = {"started": "2026-12-01 22:12:32", "argv": ["--models", "smollm2-135m-instruct,tiny", "--out", "/x/y"],
             "repeats": 3, "machine": {"cpu": "AMD EPYC 9B14", "cores": 2, "mem_gib": 23.5},
+            "dtypes": {DEFAULT: "bfloat16", TINY: "float32"},
             "workloads": [{"name": "A", "title": "32 x 128 in / 64 out, all at once"},
                           {"name": "D@4", "title": "Poisson arrivals at 4 req/s"}]}
     if commit is not None:
@@ -82,6 +83,7 @@ def test_the_readme_gets_the_default_model_with_its_run_and_ratios(tree) -> None
     assert text.endswith("<!-- bench-table:end -->\n\nMore text.\n")
     block = text.split("<!-- bench-table:start -->")[1].split("<!-- bench-table:end -->")[0]
     assert f"**{DEFAULT}** (the default model" in block and "No `make bench` results" not in block
+    assert "both servers in bfloat16" in block
     for fact in ("2026-12-01 22:12:32", "commit `abc1234`", "AMD EPYC 9B14, 2 cores",
                  "`make bench ARGS='--models smollm2-135m-instruct,tiny'`"):
         assert fact in block
