@@ -149,3 +149,21 @@ def test_cuda_float32_equals_cpu(model_dir: str, adapters: dict[str, str], engin
     prompts, names = [[5, 17, 300, 42, 9], [11, 12], [7, 7, 7]] * 2, ["", "a", "b", "c", "a", ""]
     want = [r.output_ids for r in engine.generate(prompts, GREEDY, lora=names)]
     assert [r.output_ids for r in gpu.generate(prompts, GREEDY, lora=names)] == want
+
+
+def test_bf16_linears_take_adapters(model_dir: str, adapters: dict[str, str]) -> None:
+    """With bf16 linears on CPU the hooks wrap the packed bf16 layers: every adapter changes the output,
+    and a batch mixing adapters gives each request what it gets alone."""
+    from services.scheduler.kernels import cpu_linear
+
+    if not cpu_linear.supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear in this torch")
+    e = Engine(EngineConfig(model=model_dir, dtype="bfloat16", lora_paths=(f"a={adapters['a']}", f"c={adapters['c']}"),
+                            max_loras_per_batch=2, max_lora_rank=4, max_total_tokens=1024, max_running_requests=8,
+                            grammar_backend="none"))
+    assert e.runner.linear_dtype == torch.bfloat16
+    prompt = [5, 17, 300, 42, 9] * 3
+    alone = {n: e.generate([prompt], GREEDY, lora=[n])[0].output_ids for n in ("", "a", "c")}
+    assert len({tuple(ids) for ids in alone.values()}) == 3
+    together = e.generate([prompt] * 3, GREEDY, lora=["", "a", "c"])
+    assert [r.output_ids for r in together] == [alone[n] for n in ("", "a", "c")]
