@@ -255,47 +255,38 @@ int decode_attention_f32(const float *q, int64_t q_stride, float *kt, float *v, 
 }
 
 /* Request b's first n keys of KV head h, from the pool slots slots[0..n), into a K^T tile [D][Lcap] and a
- * V tile [Lcap][D] (the pool is token-major: [S, H, D]; the kernels want positions contiguous per d). */
+ * V tile [Lcap][D] (the pool is token-major: [S, H, D]; the kernels want positions contiguous per d).
+ * K^T is written GATHER_L positions (one cache line) at a time from GATHER_L slots held in L1. */
+#define GATHER_L 16
 static inline __attribute__((always_inline)) void gather(const float *restrict pool_k, const float *restrict pool_v,
                                                           const int64_t *restrict slots, int64_t n, int64_t h,
                                                           int64_t H, float *restrict kt, float *restrict vt,
                                                           int64_t Lcap, const int64_t D) {
-    for (int64_t l = 0; l < n; l++) {
-        const float *restrict ks = pool_k + (slots[l] * H + h) * D;
-        const float *restrict vs = pool_v + (slots[l] * H + h) * D;
-        for (int64_t d = 0; d < D; d++) kt[d * Lcap + l] = ks[d];
+    for (int64_t l0 = 0; l0 < n; l0 += GATHER_L) {
+        const int64_t m = n - l0 < GATHER_L ? n - l0 : GATHER_L;
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t i = 0; i < m; i++) kt[d * Lcap + l0 + i] = pool_k[(slots[l0 + i] * H + h) * D + d];
+        for (int64_t i = 0; i < m; i++) {
+            const float *restrict vs = pool_v + (slots[l0 + i] * H + h) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) vt[l * D + d] = vs[d];
+            for (int64_t d = 0; d < D; d++) vt[(l0 + i) * D + d] = vs[d];
+        }
     }
 }
 
 /* The dense decode rows' fill (decode_cache.py), one layer: J requests joining the decode batch, request
  * j's first start[j + 1] - start[j] keys, from the pool slots slots[start[j] ..), into dense row rows[j]
- * from position 0 (kt [Bcap, H, D, Lcap], v [Bcap, H, Lcap, D]). One request per task, all its heads:
- * each pool slot's [H, D] is read once, and K^T is written 16 positions (a cache line) at a time from
- * 16 slots held in L1. torch took an index_select and a permuted copy per (request, layer, K or V). */
-#define FILL_L 16
+ * from position 0 (kt [Bcap, H, D, Lcap], v [Bcap, H, Lcap, D]), by `gather`, one request per task.
+ * torch took an index_select and a permuted copy per (request, layer, K or V). */
 void fill_rows_f32(const float *pool_k, const float *pool_v, const int64_t *slots, const int64_t *start,
                    const int64_t *rows, int64_t J, int64_t H, int64_t D, float *kt, float *v, int64_t Lcap,
                    int threads) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t j = 0; j < J; j++) {
-        const int64_t r = rows[j], n = start[j + 1] - start[j];
-        const int64_t *restrict sl = slots + start[j];
-        for (int64_t l0 = 0; l0 < n; l0 += FILL_L) {
-            const int64_t m = n - l0 < FILL_L ? n - l0 : FILL_L;
-            for (int64_t h = 0; h < H; h++) {
-                float *restrict kd = kt + (r * H + h) * D * Lcap + l0;
-                float *restrict vd = v + ((r * H + h) * Lcap + l0) * D;
-                for (int64_t d = 0; d < D; d++)
-                    for (int64_t i = 0; i < m; i++) kd[d * Lcap + i] = pool_k[(sl[l0 + i] * H + h) * D + d];
-                for (int64_t i = 0; i < m; i++) {
-                    const float *restrict vs = pool_v + (sl[l0 + i] * H + h) * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) vd[i * D + d] = vs[d];
-                }
-            }
-        }
+        const int64_t r = rows[j];
+        for (int64_t h = 0; h < H; h++)
+            gather(pool_k, pool_v, slots + start[j], start[j + 1] - start[j], h, H, kt + (r * H + h) * D * Lcap,
+                   v + (r * H + h) * Lcap * D, Lcap, D);
     }
 }
 
