@@ -1,9 +1,10 @@
 """Where a real step's time goes: the engine's decode steps at several batch sizes and one prefill, by op.
 
     python -m bench.op_profile [--model smollm2-135m-instruct] [--batches 1,32,64] [--context 384]
-                               [--prefill 512] [--steps 6] [--dtype auto]
+                               [--prefill 512] [--steps 6] [--dtype auto] [--kv-cache-dtype auto]
 
-Runs the scheduler's Engine in this process on the model (float32 on CPU unless --dtype), brings
+Runs the scheduler's Engine in this process on the model (float32 on CPU unless --dtype or
+--kv-cache-dtype say otherwise), brings
 `b` requests of `context` prompt tokens into the running batch, then times `steps` decode steps
 with a timer around each op family: the linears (by projection), attention (the backend, K/V store
 included), rotary, the norms (with their residual adds), the embedding, sampling, the attention
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the profiled prefill (0: none)")
     ap.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
     ap.add_argument("--dtype", default="auto", help="the engine's --dtype")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     args = ap.parse_args(argv)
 
     from services.scheduler.config import EngineConfig
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     pool = max(batches + [1]) * (args.context + args.steps + 8) + args.prefill + 64
     # Prefills back to back while filling (no decode steps between them): the first requests would
     # otherwise use up their few new tokens before the last one joins.
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype, max_total_tokens=pool,
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype,
+                                 kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=pool,
                                  max_running_requests=max(batches + [1]), disable_radix_cache=True,
                                  disable_decode_interleave=True))
     engine.warmup()

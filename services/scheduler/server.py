@@ -68,7 +68,8 @@ class SchedulerServer:
                            for a in (e.lora.listing() if e.lora is not None else [])],
             max_loras_per_batch=e.lora.settings.max_loras_per_batch if e.lora is not None else 0,
             max_lora_rank=e.lora.settings.max_lora_rank if e.lora is not None else 0,
-            architecture=e.runner.architecture, supported_architectures=sorted(ARCHITECTURES))
+            architecture=e.runner.architecture, supported_architectures=sorted(ARCHITECTURES),
+            kv_cache_dtype=str(e.runner.kv_dtype).removeprefix("torch."))
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up

@@ -32,6 +32,7 @@ class SchedulerView:
     cuda_graph: bool = False
     overlap_schedule: bool = False
     dtype: str = ""
+    kv_cache_dtype: str = ""
 
     @property
     def score(self) -> tuple[int, float]:
@@ -43,7 +44,7 @@ class SchedulerView:
         pb: api_pb2.SchedulerLoad = fields_to_pb(self.load, api_pb2.SchedulerLoad)
         pb.address, pb.connected = self.address, self.connected
         pb.attention_backend, pb.cuda_graph = self.attention_backend, self.cuda_graph
-        pb.overlap_schedule, pb.dtype = self.overlap_schedule, self.dtype
+        pb.overlap_schedule, pb.dtype, pb.kv_cache_dtype = self.overlap_schedule, self.dtype, self.kv_cache_dtype
         return pb
 
 

@@ -50,6 +50,7 @@ class SchedulerConnection:
         self.cuda_graph = False
         self.overlap_schedule = False
         self.dtype = ""
+        self.kv_cache_dtype = ""
         # Told the scheduler's LoRA adapters on every connect (the tokenizer's registry syncs: lora.py).
         self.on_lora_info: Callable[[SchedulerConnection, list[LoraAdapter]], None] | None = None
         self.architecture = ""  # the model class served and all the scheduler can serve (GetSchedulerInfo)
@@ -164,7 +165,7 @@ class SchedulerConnection:
             return
         self.weight_version, self.paused = info.weight_version or "default", info.paused
         self.attention_backend, self.cuda_graph = info.attention_backend, info.cuda_graph
-        self.overlap_schedule, self.dtype = info.overlap_schedule, info.dtype
+        self.overlap_schedule, self.dtype, self.kv_cache_dtype = info.overlap_schedule, info.dtype, info.kv_cache_dtype
         if self.on_lora_info is not None:
             self.on_lora_info(self, [LoraAdapter.from_pb(a) for a in info.lora_adapters])
         self.architecture, self.supported_architectures = info.architecture, list(info.supported_architectures)
@@ -236,7 +237,7 @@ class SchedulerPool:
 
     def views(self, in_flight: dict[str, int]) -> list[SchedulerView]:
         return [SchedulerView(a, c.connected, c.load, in_flight.get(a, 0), c.attention_backend, c.cuda_graph,
-                              c.overlap_schedule, c.dtype)
+                              c.overlap_schedule, c.dtype, c.kv_cache_dtype)
                 for a, c in self.conns.items()]
 
     async def send(self, address: str, reqs: list[TokenizedReq]) -> None:

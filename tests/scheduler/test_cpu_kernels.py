@@ -1,5 +1,6 @@
-"""The C kernels against plain torch: attention (decode and prefill, the decode step's K/V store with it),
-the dense decode rows' fill, rotary, the SiLU gate, the residual add with RMSNorm, and greedy argmax."""
+"""The C kernels against plain torch: attention (decode and prefill, the decode step's K/V store with it;
+float32 and bfloat16 KV), the dense decode rows' fill, rotary, the SiLU gate, the residual add with
+RMSNorm, and greedy argmax."""
 
 from __future__ import annotations
 
@@ -342,6 +343,84 @@ def test_fill_rows_copies_pool_slots_into_dense_rows(kernel, threads: int, heads
     with pytest.raises(AssertionError):  # more keys than a row holds
         kernel.fill_rows((pool_k, pool_v), torch.zeros(41, dtype=torch.int64), torch.tensor([0, 41]),
                          torch.tensor([0]), kt_buf, v_buf)
+
+
+def widened(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t rounded to bfloat16 (a KV buffer the kernels read as bf16) and the same values in float32."""
+    half = t.to(torch.bfloat16)
+    return half, half.float()
+
+
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 3, 64), (1, 4, 128), (1, 12, 32)])
+@pytest.mark.parametrize("window", [0, 9])
+def test_decode_over_bf16_kv_is_the_float32_kernel_on_the_rounded_keys(kernel, threads: int, heads: int,
+                                                                       group: int, dim: int, window: int) -> None:
+    """bf16 dense rows, shared prefixes and pool: the step's new K/V are stored rounded to nearest even
+    (torch's own conversion, bit for bit), and the attention equals the float32 kernel's over the same
+    values widened to float32."""
+    torch.manual_seed(heads * 100 + group * 10 + dim + window)
+    b, l_cap, p_cap, slots = 4, 80, 48, 30
+    lens = torch.tensor([70, 3, 45, 60], dtype=torch.int64)
+    entry = torch.tensor([0, -1, 0, 1], dtype=torch.int64)
+    plen = torch.tensor([40, 0, 40, 17], dtype=torch.int64)
+    rows, new_pos, loc = torch.tensor([2, 0, 3, 1]), torch.tensor([2, 29, 19, 42]), torch.tensor([9, 2, 5, 29])
+    kt, kt32 = widened(torch.randn(b, heads, dim, l_cap))
+    v, v32 = widened(torch.randn(b, heads, l_cap, dim))
+    pk, pk32 = widened(torch.randn(2, heads, dim, p_cap))
+    pv, pv32 = widened(torch.randn(2, heads, p_cap, dim))
+    pool_k, pool_v = torch.zeros(slots, heads, dim, dtype=torch.bfloat16), torch.zeros(slots, heads, dim,
+                                                                                       dtype=torch.bfloat16)
+    pool_k32, pool_v32 = pool_k.float(), pool_v.float()
+    q = torch.randn(b, heads, group, dim)
+    k_new, v_new = torch.randn(b, heads, dim), torch.randn(b, heads, dim)
+    layout = cpu_kernels.decode_layout(lens, l_cap, rows, new_pos, loc, slots, entry, plen, p_cap, 2)
+    got = kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk, pv), window=window or None,
+                                  new_kv=(k_new, v_new), pool=(pool_k, pool_v))
+    k_half, v_half = k_new.to(torch.bfloat16), v_new.to(torch.bfloat16)
+    assert torch.equal(kt[rows, :, :, new_pos], k_half) and torch.equal(v[rows, :, new_pos], v_half)
+    assert torch.equal(pool_k[loc], k_half) and torch.equal(pool_v[loc], v_half)
+    want = kernel.decode_attention(q, kt32, v32, layout, dim ** -0.5, (pk32, pv32), window=window or None,
+                                   new_kv=(k_half.float(), v_half.float()), pool=(pool_k32, pool_v32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kt.float(), kt32) and torch.equal(pool_k.float(), pool_k32)
+    with pytest.raises(AssertionError):  # one KV dtype for rows, prefixes and pool
+        kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk32, pv32))
+
+
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (1, 4, 128), (1, 12, 32)])
+def test_extend_over_a_bf16_pool_is_the_float32_kernel_on_the_rounded_keys(kernel, threads: int, heads: int,
+                                                                           group: int, dim: int) -> None:
+    torch.manual_seed(heads + group + dim)
+    lens, prefix = [1, 40, 5, 17, 9], [0, 0, 33, 2, 20]
+    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
+    b = len(lens)
+    kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
+    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
+    (pool_k, pool_k32), (pool_v, pool_v32) = widened(pool_k), widened(pool_v)
+    q = torch.randn(sum(lens), heads, group, dim)
+    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    for window in (None, 6):
+        got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, window=window)
+        want = kernel.extend_attention(q, pool_k32, pool_v32, layout, dim ** -0.5, window=window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fill_rows_copies_bf16_slots_bit_for_bit(kernel, threads: int) -> None:
+    torch.manual_seed(11)
+    heads, dim = 2, 64
+    pool_k, pool_v = torch.randn(50, heads, dim).to(torch.bfloat16), torch.randn(50, heads, dim).to(torch.bfloat16)
+    pool_k[7, 0, 3] = float("nan")
+    kt_buf, v_buf = torch.zeros(3, heads, dim, 40, dtype=torch.bfloat16), torch.zeros(3, heads, 40, dim,
+                                                                                      dtype=torch.bfloat16)
+    slots = torch.randperm(50)[:33]
+    kernel.fill_rows((pool_k, pool_v), slots, torch.tensor([0, 33]), torch.tensor([1]), kt_buf, v_buf)
+    bits = torch.int16
+    assert torch.equal(kt_buf[1, :, :, :33].view(bits), pool_k[slots].permute(1, 2, 0).contiguous().view(bits))
+    assert torch.equal(v_buf[1, :, :33].view(bits), pool_v[slots].transpose(0, 1).contiguous().view(bits))
+    with pytest.raises(AssertionError):  # rows of another dtype than the pool
+        kernel.fill_rows((pool_k, pool_v), slots, torch.tensor([0, 33]), torch.tensor([1]), kt_buf.float(),
+                         v_buf.float())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 200])

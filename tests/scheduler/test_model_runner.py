@@ -11,6 +11,7 @@ from services.scheduler.model_executor.forward_batch import ForwardBatch, Forwar
 from services.scheduler.model_executor.model_runner import ModelRunner
 
 ATOL = 1e-4
+BF16_KV_ATOL = 0.2  # the 4.5M model's logits read through bf16 keys and values: measured 0.039 largest
 
 
 class Seq:
@@ -281,8 +282,49 @@ def test_bf16_on_cpu_is_bf16_linears_around_float32(model_dir: str) -> None:
         pytest.skip("no oneDNN bf16 linear in this torch")
     r = ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=256, max_running_requests=4)
     assert (r.linear_dtype, r.dtype) == (torch.bfloat16, torch.float32)
-    assert r.token_to_kv_pool.k_buffer[0].dtype == torch.float32  # KV on the float32 kernels
+    assert r.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16  # kv_cache_dtype auto follows the linears
     assert r.native is not None
     packed = [m for m in r.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     assert packed and all(m.weight.dtype == torch.bfloat16 for m in packed)
-    assert r.dtype_label() == "bfloat16 linears, float32 activations and KV"
+    assert r.dtype_label() == "bfloat16 linears and KV, float32 activations"
+
+
+def test_bf16_kv_cache_under_float32_activations(model_dir: str, hf_model) -> None:
+    """--kv-cache-dtype bfloat16 with float32 weights: the pool (and the dense rows and prefix copies the
+    C kernels read) hold bf16, so the prefill after a cached prefix and the decode steps read rounded
+    keys; logits stay within bf16 rounding of transformers' float32 ones, and measurably off them."""
+    r = ModelRunner(model_dir, device="cpu", kv_cache_dtype="bfloat16", max_total_tokens=1024, max_running_requests=4)
+    if r.native is None:
+        pytest.skip("no C compiler: bf16 KV needs the C kernels")
+    assert (r.dtype, r.kv_dtype, r.token_to_kv_pool.k_buffer[0].dtype) == (torch.float32, torch.bfloat16,
+                                                                           torch.bfloat16)
+    assert r.dtype_label() == "float32 linears and activations, bfloat16 KV"
+    assert r._kv_bytes_per_token() == r.token_to_kv_pool.bytes_per_token  # half the float32 pool's
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (17, 40)]
+    seqs = [Seq(r, p) for p in prompts]
+    errors = []
+    logits = r.forward(make_batch(seqs, ForwardMode.EXTEND, [17, 30]))
+    logits = r.forward(make_batch([seqs[1]], ForwardMode.EXTEND, [10]))  # reads 30 cached bf16 keys
+    errors.append((logits[0] - hf_last_logits(hf_model, seqs[1].ids)).abs().max())
+    next_ids = [int(hf_last_logits(hf_model, s.ids).argmax()) for s in seqs]
+    for _ in range(4):
+        for s, t in zip(seqs, next_ids):
+            s.ids.append(t)
+        logits = r.forward(make_batch(seqs, ForwardMode.DECODE, [1, 1]))
+        errors += [(logits[i] - hf_last_logits(hf_model, s.ids)).abs().max() for i, s in enumerate(seqs)]
+        next_ids = logits.argmax(-1).tolist()
+    worst = float(max(errors))
+    print(f"bf16 KV: largest logit error {worst:.2e}")
+    assert 1e-5 < worst < BF16_KV_ATOL
+
+
+@pytest.mark.parametrize(("asked", "cpu_kernels", "error"), [
+    ("float8", True, "unknown kv_cache_dtype"), ("float16", True, "the CPU C kernels hold the KV cache"),
+    ("bfloat16", False, "needs the CPU C kernels"),
+])
+def test_kv_cache_dtype_errors_name_the_flag(model_dir: str, asked: str, cpu_kernels: bool, error: str) -> None:
+    with pytest.raises(ValueError, match=error) as e:
+        ModelRunner(model_dir, device="cpu", kv_cache_dtype=asked, cpu_kernels=cpu_kernels, max_total_tokens=256,
+                    max_running_requests=2)
+    assert "kv_cache_dtype" in str(e.value)

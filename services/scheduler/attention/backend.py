@@ -67,8 +67,10 @@ class TorchSDPABackend:
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
                  native: NativeKernels | None = None, decode_cache_bytes: int | None = None,
-                 sliding_windows: Sequence[int | None] | None = None) -> None:
-        """sliding_windows: per layer, its window (None: the layer attends to every key); None: no layer has one."""
+                 sliding_windows: Sequence[int | None] | None = None, dtype: torch.dtype | None = None) -> None:
+        """sliding_windows: per layer, its window (None: the layer attends to every key); None: no layer has one.
+        dtype: the queries' and outputs' (None: the KV pool's); with the C kernels the pool may hold
+        bfloat16 under float32 activations, and the torch paths widen what they gather."""
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool
         self.num_heads = num_heads
@@ -77,6 +79,7 @@ class TorchSDPABackend:
         self.head_dim = head_dim
         self.scaling = scaling
         self.device = kv_pool.device
+        self.dtype = dtype or kv_pool.dtype
         num_layers = len(kv_pool.k_buffer)
         self.windows: list[int | None] = list(sliding_windows) if sliding_windows is not None else [None] * num_layers
         if len(self.windows) != num_layers or any(w is not None and w < 1 for w in self.windows):
@@ -119,16 +122,16 @@ class TorchSDPABackend:
                                     layout=self.dense.layout(rows, batch.out_cache_loc))
             if rows is not None:
                 return SDPAMetadata(is_decode=True, out_cache_loc=batch.out_cache_loc, kv_index=None,
-                                    mask=decode_mask(rows.seq_lens_rows, rows.kv_len, self.kv_pool.dtype),
+                                    mask=decode_mask(rows.seq_lens_rows, rows.kv_len, self.dtype),
                                     window_masks={w: decode_mask(rows.seq_lens_rows, rows.kv_len,
-                                                                 self.kv_pool.dtype, w)
+                                                                 self.dtype, w)
                                                   for w in self.distinct_windows},
                                     batch_size=bs, dense_rows=rows)
             return SDPAMetadata(
                 is_decode=True, out_cache_loc=batch.out_cache_loc,
                 kv_index=self.req_to_token[batch.req_pool_indices, :kv_len],
-                mask=decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype),
-                window_masks={w: decode_mask(batch.seq_lens, kv_len, self.kv_pool.dtype, w)
+                mask=decode_mask(batch.seq_lens, kv_len, self.dtype),
+                window_masks={w: decode_mask(batch.seq_lens, kv_len, self.dtype, w)
                               for w in self.distinct_windows}, batch_size=bs)
         if self.dense is not None:
             self.dense.invalidate(batch.req_pool_indices.tolist())
@@ -146,7 +149,7 @@ class TorchSDPABackend:
             windows: dict[int, torch.Tensor] = {}
             if self.distinct_windows:  # causal within each window: [1, 1, n, n]
                 i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-                windows = {w: additive(((j <= i) & (j > i - w))[None, None].to(self.device), self.kv_pool.dtype)
+                windows = {w: additive(((j <= i) & (j > i - w))[None, None].to(self.device), self.dtype)
                            for w in self.distinct_windows}
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=None,
                                 mask=None, batch_size=1, q_len=n, window_masks=windows)
@@ -166,10 +169,10 @@ class TorchSDPABackend:
         if self.distinct_windows:
             pos = torch.minimum(prefix[:, None, None] + i, seq[:, None, None] - 1)
             window_masks = {w: additive((mask & (j > pos - w))[:, None].to(self.device, non_blocking=True),
-                                        self.kv_pool.dtype) for w in self.distinct_windows}
+                                        self.dtype) for w in self.distinct_windows}
         return SDPAMetadata(
             is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,
-            mask=additive(mask[:, None].to(self.device, non_blocking=True), self.kv_pool.dtype),
+            mask=additive(mask[:, None].to(self.device, non_blocking=True), self.dtype),
             window_masks=window_masks,
             q_pad_index=torch.tensor(pad, dtype=torch.int64).to(self.device, non_blocking=True),
             batch_size=bs, q_len=q_len)
@@ -216,8 +219,8 @@ class TorchSDPABackend:
         kb, vb = self.kv_pool.get_kv_buffer(layer_id)
         flat = kv_index.reshape(-1)
         shape = (bs, kv_len, self.num_kv_heads, self.head_dim)
-        k = kb.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, Lkv, D]
-        v = vb.index_select(0, flat).view(shape).transpose(1, 2)
+        k = kb.index_select(0, flat).view(shape).transpose(1, 2).to(self.dtype)  # [B, Hkv, Lkv, D]
+        v = vb.index_select(0, flat).view(shape).transpose(1, 2).to(self.dtype)
         return k, v
 
     def _decode(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
@@ -284,7 +287,7 @@ class TorchSDPABackend:
         t = q.shape[0]
         kb, vb = self.kv_pool.get_kv_buffer(layer_id)
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
-        q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim).to(kb.dtype)
+        q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim)
         out = self.native.extend_attention(q_groups.contiguous(), kb, vb, md.extend_layout, scale,
                                            window=self.windows[layer_id])  # [T, Hkv, G, D]
         return out.view(t, -1)  # [T, Hq * D]

@@ -81,7 +81,8 @@ class Engine:
         grammar_bound = ([memory.Bound(cfg.grammar_cache_mib << 20, "grammar cache", "--grammar-cache-mib")]
                          if cfg.grammar_backend != "none" else [])
         self.runner = runner or ModelRunner(
-            cfg.model, device=cfg.device, dtype=cfg.dtype, max_total_tokens=cfg.max_total_tokens,
+            cfg.model, device=cfg.device, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+            max_total_tokens=cfg.max_total_tokens,
             mem_fraction=cfg.mem_fraction, max_running_requests=cfg.max_running_requests,
             context_length=cfg.context_length, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             disable_cuda_graph=cfg.disable_cuda_graph, num_threads=cfg.num_threads, decode_threads=cfg.decode_threads,

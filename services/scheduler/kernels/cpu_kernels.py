@@ -1,7 +1,8 @@
 """Native CPU kernels (csrc/*.c, built by kernel_build.py), called via ctypes: attention (decode and
 prefill; a decode step's K/V store is part of the decode call), the dense decode rows' fill from the KV
 pool, the fused elementwise steps of a layer (rotary, SiLU gate, the
-residual add with its RMSNorm) and greedy argmax.
+residual add with its RMSNorm) and greedy argmax. Activations are float32; the attention kernels take
+the KV cache in float32 or bfloat16 (`KV_DTYPES`: one dtype for pool, dense rows and shared prefixes).
 
 `load()` returns None when there is no compiler (a slim image) or the build fails, and callers keep
 their torch path. ctypes releases the GIL for the call. The C code trusts its pointers and sizes, so
@@ -22,6 +23,7 @@ from services.scheduler.kernels.kernel_build import build
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an extend block scores at once
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read and write as KV
 
 
 def kernel_supports(group: int, head_dim: int) -> bool:
@@ -106,11 +108,18 @@ def extend_layout(slots: torch.Tensor, q_start: torch.Tensor, prefix: torch.Tens
     return ExtendLayout(slots, q_start, prefix, int(q_start[-1]), pool_size)
 
 
-def _check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int) -> None:
+def _check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int,
+              dtype: torch.dtype) -> None:
     for t in (kt_buf, v_buf):
-        assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        assert t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
     assert kt_buf.shape[0] >= rows and kt_buf.shape[1:] == (h, d, l_cap)
     assert v_buf.shape == (kt_buf.shape[0], h, l_cap, d)
+
+
+def _kv_bf16(dtype: torch.dtype) -> int:
+    """The kernels' kv_bf16 flag for a KV buffer's dtype."""
+    assert dtype in KV_DTYPES, f"KV cache dtype {dtype}: the kernels take {KV_DTYPES}"
+    return int(dtype == torch.bfloat16)
 
 
 def _rows_of_heads(x: torch.Tensor) -> None:
@@ -131,10 +140,12 @@ class NativeKernels:
         self._decode = self._fn(lib.decode_attention_f32, ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I,
                                                                          _I, _I, _I, _F, ctypes.c_int, _P, _P, _P,
                                                                          _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
-                                                                         _P])
+                                                                         _P, ctypes.c_int])
         self._extend = self._fn(lib.extend_attention_f32, ctypes.c_int,
-                                [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int, _I])
-        self._fill = self._fn(lib.fill_rows_f32, None, [_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, ctypes.c_int])
+                                [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int, _I,
+                                 ctypes.c_int])
+        self._fill = self._fn(lib.fill_rows_f32, None, [_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, ctypes.c_int,
+                                                        ctypes.c_int])
         self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
         self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
         self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int])
@@ -157,7 +168,8 @@ class NativeKernels:
                          pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """window: the layer's sliding window (a row of n keys reads its last `window`); None: all.
         q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
-        [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous float32 on CPU; prefix: the shared
+        [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous on CPU, float32 or bfloat16 (the KV
+        dtype: prefix and pool match it); prefix: the shared
         prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. new_kv: the
         step's new k, v ([B, H, D], each request's contiguous, any stride), first written at
         layout.new_pos of each request's dense row and, with `pool` ([S, H, D] K and V buffers), at pool
@@ -165,11 +177,12 @@ class NativeKernels:
         b, h, g, d = q.shape
         _rows_of_heads(q)
         assert b == len(layout.rows)
-        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap)
+        kv_dtype = kt_buf.dtype
+        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap, kv_dtype)
         ptrs: list[int | None] = [None] * 4
         if layout.entry is not None:
             assert prefix is not None and layout.plen is not None  # plen is set together with entry
-            _check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap)
+            _check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap, kv_dtype)
             ptrs = [prefix[0].data_ptr(), prefix[1].data_ptr(), layout.entry.data_ptr(), layout.plen.data_ptr()]
         store: list[int | None] = [None, 0, None, 0, None, None, None, None]
         if new_kv is not None:
@@ -181,7 +194,7 @@ class NativeKernels:
             if pool is not None:
                 assert layout.loc is not None
                 for t in pool:
-                    assert t.dtype == torch.float32 and t.is_contiguous() and t.shape[1:] == (h, d)
+                    assert t.dtype == kv_dtype and t.is_contiguous() and t.shape[1:] == (h, d)
                 store[5:] = [pool[0].data_ptr(), pool[1].data_ptr(), layout.loc.data_ptr()]
         else:
             assert pool is None, "the pool is written only with new_kv"
@@ -189,21 +202,21 @@ class NativeKernels:
         scratch, threads = self._scratch(g, layout.p_cap + layout.l_cap)
         if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
                         layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d, layout.l_cap,
-                        scale, threads, *ptrs, layout.p_cap, window or 0, *store) != 0:
+                        scale, threads, *ptrs, layout.p_cap, window or 0, *store, _kv_bf16(kv_dtype)) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out
 
     def fill_rows(self, pool: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, start: torch.Tensor,
                   rows: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-        """Copy request j's keys and values from the KV pool (pool: [S, H, D] K and V, contiguous float32)
+        """Copy request j's keys and values from the KV pool (pool: [S, H, D] K and V, contiguous, the KV dtype)
         at slots[start[j]:start[j + 1]] into dense row rows[j] from position 0 (kt_buf / v_buf as in
         decode_attention). slots: [N] int64 (each below S); start: [J + 1] int64 from 0 to N; rows: [J]
         int64 (each below Bcap); all contiguous."""
         pk, pv = pool
         s, h, d = pk.shape
         for t in (pk, pv):
-            assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.shape == (s, h, d)
+            assert t.dtype == pk.dtype and t.device.type == "cpu" and t.is_contiguous() and t.shape == (s, h, d)
         for t in (slots, start, rows):
             assert t.dtype == torch.int64 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
         j = len(rows)
@@ -211,29 +224,29 @@ class NativeKernels:
         if j == 0:
             return
         n = start[1:] - start[:-1]
-        _check_kv(kt_buf, v_buf, h, d, int(rows.max()) + 1, kt_buf.shape[3])
+        _check_kv(kt_buf, v_buf, h, d, int(rows.max()) + 1, kt_buf.shape[3], pk.dtype)
         assert int(n.min()) >= 0 and int(n.max()) <= kt_buf.shape[3] and int(rows.min()) >= 0
         assert len(slots) == 0 or (int(slots.min()) >= 0 and int(slots.max()) < s)
         self._fill(pk.data_ptr(), pv.data_ptr(), slots.data_ptr(), start.data_ptr(), rows.data_ptr(), j, h, d,
-                   kt_buf.data_ptr(), v_buf.data_ptr(), kt_buf.shape[3], torch.get_num_threads())
+                   kt_buf.data_ptr(), v_buf.data_ptr(), kt_buf.shape[3], torch.get_num_threads(), _kv_bf16(pk.dtype))
 
     def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
                          scale: float, window: int | None = None) -> torch.Tensor:
         """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
-        float32 contiguous; pool_k, pool_v: [S, H, D] float32 contiguous (S >= layout.pool_size). Token
+        float32 contiguous; pool_k, pool_v: [S, H, D] contiguous, float32 or bfloat16 (S >= layout.pool_size). Token
         i of request b sees keys [0, prefix[b] + i], with a sliding window only the last `window` of
         them. Returns [T, H, G, D]."""
         t, h, g, d = q.shape
         assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
         for buf in (pool_k, pool_v):
-            assert buf.dtype == torch.float32 and buf.is_contiguous() and buf.device.type == "cpu"
+            assert buf.dtype == pool_k.dtype and buf.is_contiguous() and buf.device.type == "cpu"
             assert buf.shape[0] >= layout.pool_size and buf.shape[1:] == (h, d)
         b, l_cap = layout.slots.shape
         out = torch.empty_like(q)
         scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS) + 2 * d, l_cap)  # scores, then K^T and V tiles
         if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
                         layout.q_start.data_ptr(), layout.prefix.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                        b, h, g, d, l_cap, scale, threads, window or 0) != 0:
+                        b, h, g, d, l_cap, scale, threads, window or 0, _kv_bf16(pool_k.dtype)) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out

@@ -15,6 +15,7 @@ from services.scheduler import memory
 from services.scheduler.attention.backend import TorchSDPABackend
 from services.scheduler.attention.decode_cache import default_budget, shared_budget
 from services.scheduler.kernels import cpu_linear
+from services.scheduler.kernels.cpu_kernels import KV_DTYPES as NATIVE_KV_DTYPES
 from services.scheduler.kernels.cpu_kernels import load as load_cpu_kernels
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.lora.manager import LoraManager, LoraSettings
@@ -33,7 +34,7 @@ CPU_KV_RAM_FRACTION = 0.15   # ... and at most this share of available RAM (the 
 
 class ModelRunner:
     def __init__(self, model_path: str, *, device: str | None = None, dtype: str = "auto",
-                 max_total_tokens: int | None = None, mem_fraction: float = 0.85,
+                 kv_cache_dtype: str = "auto", max_total_tokens: int | None = None, mem_fraction: float = 0.85,
                  max_running_requests: int = 256, context_length: int | None = None,
                  cuda_graph_max_bs: int = 64, disable_cuda_graph: bool = False,
                  num_threads: int | None = None, decode_threads: int | None = None, cpu_kernels: bool = True,
@@ -41,7 +42,8 @@ class ModelRunner:
                  attention_backend: str | None = None, emulate_cuda_graph: bool = False,
                  other_bounds: Sequence[memory.Bound] = (), synthetic_forward: bool = False,
                  lora: LoraSettings | None = None) -> None:
-        """other_bounds: host memory the caller will allocate besides the
+        """kv_cache_dtype: the KV cache's dtype (auto: bfloat16 where the CPU runs bf16 linears, else the
+        activations'); other_bounds: host memory the caller will allocate besides the
         runner's (the grammar cache), for the startup memory check. attention_backend: triton,
         flashinfer or torch (None: triton on CUDA when it imports, else torch). emulate_cuda_graph:
         run the CUDA-graph logic on any device with recorded functions in place of graphs (tests).
@@ -58,8 +60,8 @@ class ModelRunner:
         path = model_loader.resolve_model_path(model_path)
         self.model_config = model_loader.load_config(path)
         # The dtype asked for, and where it applies. On CPU with the C kernels, bfloat16 is the linears'
-        # (weights held and GEMMs run in bf16, where most of a step's time goes); the activations
-        # between them, attention and the KV cache stay float32 on the float32 kernels.
+        # (weights held and GEMMs run in bf16, where most of a step's time goes) and the KV cache's
+        # (attention reads it widened to float32); activations, norms and softmax stay float32.
         self.linear_dtype = _resolve_dtype(dtype, self.device, self.model_config)
         self.dtype = (torch.float32 if self.device.type == "cpu" and self.linear_dtype == torch.bfloat16
                       and cpu_kernels and cpu_linear.supported(torch.bfloat16) else self.linear_dtype)
@@ -86,6 +88,7 @@ class ModelRunner:
         self.native = (load_cpu_kernels(kernel_cache)
                        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels else None)
         self.argmax = self.native.argmax if self.native is not None else None  # greedy sampling's
+        self.kv_dtype = _resolve_kv_dtype(kv_cache_dtype, self.dtype, self.linear_dtype, self.native is not None)
 
         self.eos_token_ids = model_loader.load_eos_token_ids(path, self.model_config)
         cfg = self.model_config
@@ -108,7 +111,7 @@ class ModelRunner:
         self._check_memory(max_running_requests, list(other_bounds))
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, self.context_length + 4, self.device)
         self.token_to_kv_pool = TokenToKVPool(self.max_total_num_tokens, cfg.num_hidden_layers,
-                                              self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                              self.num_kv_heads, self.head_dim, self.kv_dtype, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request rows", self.max_total_num_tokens,
                     self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token / 2**20,
                     max_running_requests + 1)
@@ -129,11 +132,15 @@ class ModelRunner:
         logger.info("model runner ready in %.1fs", time.monotonic() - t0)
 
     def dtype_label(self) -> str:
-        """The dtype as served: "bfloat16" or "float32", or on CPU "bfloat16 linears, float32
-        activations and KV" when the two differ (get_server_info reports linear_dtype)."""
-        if self.linear_dtype == self.dtype:
+        """The dtypes as served: "bfloat16" or "float32" when linears, activations and KV cache share
+        one, else what holds which, e.g. "bfloat16 linears and KV, float32 activations" (CPU)."""
+        parts = {"linears": self.linear_dtype, "activations": self.dtype, "KV": self.kv_dtype}
+        if len(set(parts.values())) == 1:
             return _name(self.dtype)
-        return f"{_name(self.linear_dtype)} linears, {_name(self.dtype)} activations and KV"
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for part, dtype in parts.items():
+            by_dtype.setdefault(dtype, []).append(part)
+        return ", ".join(f"{_name(d)} {' and '.join(names)}" for d, names in by_dtype.items())
 
     # ---- setup ----
 
@@ -189,7 +196,7 @@ class ModelRunner:
         logger.info("attention backend: torch SDPA%s", ", decode and prefill on the C kernels" if self.native else "")
         return TorchSDPABackend(self.req_to_token_pool, self.token_to_kv_pool,
                                 self.num_heads, self.num_kv_heads, self.head_dim,
-                                scaling=self.model.first_attention().scaling, native=self.native,
+                                scaling=self.model.first_attention().scaling, native=self.native, dtype=self.dtype,
                                 decode_cache_bytes=self.decode_cache_bytes,
                                 sliding_windows=self.model.sliding_windows())
 
@@ -227,7 +234,7 @@ class ModelRunner:
         memory.check_fits([*device, cache, *other_bounds], memory.room_bytes())
 
     def _kv_bytes_per_token(self) -> int:
-        return 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.model_config.num_hidden_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def memory_items(self) -> list[memory.MemoryItem]:
         """What the runner holds now and each holder's bound (memory.py's table)."""
@@ -442,6 +449,27 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: Any =
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def _resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, linear_dtype: torch.dtype,
+                      native: bool) -> torch.dtype:
+    """--kv-cache-dtype as a torch dtype, given the activations' dtype and the linears'. auto: the
+    activations' dtype, except bfloat16 where the CPU's C kernels run bf16 linears (half the bytes
+    for attention to read, which waits on memory; both are bf16 roundings of float32 values). A
+    dtype other than the activations' needs those kernels (the only ones that widen as they read)."""
+    if kv_cache_dtype == "auto":
+        return torch.bfloat16 if native and linear_dtype == torch.bfloat16 else dtype
+    if kv_cache_dtype not in _DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; one of auto, {', '.join(_DTYPES)}")
+    kv = _DTYPES[kv_cache_dtype]
+    if native and kv not in NATIVE_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: the CPU C kernels hold the KV cache in "
+                         f"{' or '.join(map(_name, NATIVE_KV_DTYPES))}")
+    if kv != dtype and not native:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} with {_name(dtype)} activations needs the CPU C "
+                         f"kernels (CPU, a C compiler, no --disable-cpu-kernels); here it must be auto or "
+                         f"{_name(dtype)}")
+    return kv
 
 
 def _available_ram_bytes() -> int:

@@ -1,5 +1,6 @@
-/* Attention kernels for CPU float32: decode over the dense decode cache, and prefill (extend) over each
- * request's keys, copied from the KV pool into a per-thread tile. Both are the same per-query routine,
+/* Attention kernels for CPU: float32 queries and outputs, the KV cache (pool, dense decode rows, shared
+ * prefixes) in float32 or bfloat16 (`kv_bf16`). Decode reads the dense decode cache, and prefill
+ * (extend) reads each request's keys, copied from the KV pool into a per-thread float32 tile. Both are the same per-query routine,
  * `head`; extend runs several new tokens of a request through it at once (`block`).
  *
  * `head` takes one query token's G query heads (the group of one KV head), scores them against that
@@ -33,7 +34,11 @@
  *   q [T, H, G, D] (T = q_start[B]); pool_k, pool_v [S, H, D]; slots [B, Lcap]; out [T, H, G, D]
  * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * (max(G, XQ) + 2 D) * Lcap for
  * extend.
- * All int64 except `threads`; all arrays contiguous.
+ * kv_bf16 (all three entry points): the KV buffers (kt, v, pk, pv, pool_k, pool_v) hold bfloat16, which the
+ * kernels widen to float32 as they load (a 16-bit shift: any x86-64 vector unit does it) and round to
+ * nearest even as `put` stores. A decode step's attention reads every key of the batch once and waits on
+ * memory, so half the bytes is about half its time; arithmetic stays float32 throughout.
+ * All int64 except `threads` and `kv_bf16`; all arrays contiguous.
  */
 #include <math.h>
 #include <omp.h>
@@ -45,38 +50,60 @@
 #define XQ 8 /* query rows per extend block: new tokens x G */
 #define DMAX 256 /* head_dim (Gemma 3: 256) */
 
+/* A KV buffer's element i as float32; BF (a compile-time constant where called): the buffer holds bf16. */
+static inline __attribute__((always_inline)) float ld(const void *restrict p, int64_t i, const int BF) {
+    if (!BF) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Store x as element i of a KV buffer (bf16: rounded to nearest even; a NaN stays a NaN). */
+static inline __attribute__((always_inline)) void st(void *restrict p, int64_t i, float x, const int BF) {
+    if (!BF) {
+        ((float *)p)[i] = x;
+        return;
+    }
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+    ((uint16_t *)p)[i] = (uint16_t)(nan ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The address of element i of a KV buffer. */
+#define KV_AT(p, i, BF) ((void *)((char *)(p) + (int64_t)(i) * ((BF) ? 2 : 4)))
+
 /* s[g * S + l] = scale * q[g] . K[off + l] for l in [0, n); K^T rows of `cap` positions. Keys go 64 at a
  * time, 32 with more than 4 query rows, so the accumulators (rows x keys) stay in the registers.
  * pf (or NULL): another K^T of the same shape to prefetch, block by block, as this one is read. */
-static inline __attribute__((always_inline)) void scores(const float *restrict qb, const float *restrict kb,
+static inline __attribute__((always_inline)) void scores(const float *restrict qb, const void *restrict kb,
                                                           int64_t off, int64_t n_keys, int64_t cap,
                                                           float *restrict s, int64_t S, float scale,
                                                           const int64_t G, const int64_t D,
-                                                          const float *restrict pf) {
-    const int64_t W = G > 4 ? BL / 2 : BL;
-    kb += off;
-    if (pf) pf += off;
+                                                          const void *restrict pf, const int BF) {
+    const int64_t W = G > 4 ? BL / 2 : BL, line = BF ? 32 : 16; /* elements per 64-byte cache line */
     for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
         float acc[GMAX][BL];
         for (int64_t g = 0; g < G; g++)
             for (int64_t i = 0; i < W; i++) acc[g][i] = 0.0f;
         if (off + l0 + W <= cap) { /* full-width loads stay inside the buffer (past n_keys: ignored) */
             for (int64_t d = 0; d < D; d++) {
-                const float *restrict kd = kb + d * cap + l0;
+                const int64_t at = d * cap + off + l0;
                 if (pf)
-                    for (int64_t c = 0; c < W; c += 16) __builtin_prefetch(pf + d * cap + l0 + c, 0, 3);
+                    for (int64_t c = 0; c < W; c += line) __builtin_prefetch(KV_AT(pf, at + c, BF), 0, 3);
                 for (int64_t g = 0; g < G; g++) {
                     const float qd = qb[g * D + d];
 #pragma omp simd
-                    for (int64_t i = 0; i < W; i++) acc[g][i] += qd * kd[i];
+                    for (int64_t i = 0; i < W; i++) acc[g][i] += qd * ld(kb, at + i, BF);
                 }
             }
         } else {
             const int64_t n = n_keys - l0;
             for (int64_t d = 0; d < D; d++) {
-                const float *restrict kd = kb + d * cap + l0;
+                const int64_t at = d * cap + off + l0;
                 for (int64_t g = 0; g < G; g++)
-                    for (int64_t i = 0; i < n; i++) acc[g][i] += qb[g * D + d] * kd[i];
+                    for (int64_t i = 0; i < n; i++) acc[g][i] += qb[g * D + d] * ld(kb, at + i, BF);
             }
         }
         const int64_t n = n_keys - l0 < W ? n_keys - l0 : W;
@@ -101,18 +128,20 @@ static inline __attribute__((always_inline)) void softmax(float *restrict sg, in
     for (int64_t l = 0; l < n; l++) sg[l] *= inv;
 }
 
-/* acc[g] += sum_l p[g * S + l] V[l] for l in [0, n); pf (or NULL): another V to prefetch meanwhile. */
+/* acc[g] += sum_l p[g * S + l] V[off + l] for l in [0, n); pf (or NULL): another V to prefetch meanwhile. */
 static inline __attribute__((always_inline)) void weigh(float acc[GMAX][DMAX], const float *restrict p,
-                                                         int64_t S, const float *restrict vb, int64_t n,
-                                                         const int64_t G, const int64_t D, const float *restrict pf) {
+                                                         int64_t S, const void *restrict vb, int64_t off,
+                                                         int64_t n, const int64_t G, const int64_t D,
+                                                         const void *restrict pf, const int BF) {
+    const int64_t line = BF ? 32 : 16;
     for (int64_t l = 0; l < n; l++) {
-        const float *restrict vl = vb + l * D;
+        const int64_t at = (off + l) * D;
         if (pf)
-            for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(pf + l * D + c, 0, 3);
+            for (int64_t c = 0; c < D; c += line) __builtin_prefetch(KV_AT(pf, l * D + c, BF), 0, 3);
         for (int64_t g = 0; g < G; g++) {
             const float pg = p[g * S + l];
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[g][d] += pg * vl[d];
+            for (int64_t d = 0; d < D; d++) acc[g][d] += pg * ld(vb, at + d, BF);
         }
     }
 }
@@ -122,24 +151,25 @@ static inline __attribute__((always_inline)) void weigh(float acc[GMAX][DMAX], c
  * array, so the softmax and the weighted sum see them in position order exactly as if one buffer held
  * them all. s: G rows of S >= plen + len floats. nk, nv (or NULL): the next task's own K^T and V, so
  * they are on their way from memory while this one computes. */
-static inline __attribute__((always_inline)) void head(const float *restrict qb, const float *restrict pk,
-                                                        const float *restrict pv, int64_t poff, int64_t plen,
-                                                        int64_t pcap, const float *restrict kb,
-                                                        const float *restrict vb, int64_t off, int64_t len,
+static inline __attribute__((always_inline)) void head(const float *restrict qb, const void *restrict pk,
+                                                        const void *restrict pv, int64_t poff, int64_t plen,
+                                                        int64_t pcap, const void *restrict kb,
+                                                        const void *restrict vb, int64_t off, int64_t len,
                                                         int64_t Lcap, float *restrict ob,
                                                         float *restrict s, int64_t S, float scale,
                                                         const int64_t G, const int64_t D,
-                                                        const float *restrict nk, const float *restrict nv) {
+                                                        const void *restrict nk, const void *restrict nv,
+                                                        const int BF) {
     const int64_t total = plen + len;
-    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL);
-    scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk);
+    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL, BF);
+    scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk, BF);
     for (int64_t g = 0; g < G; g++) softmax(s + g * S, total);
     /* out[g] = sum_l p[g][l] V[l] */
     float acc[GMAX][DMAX];
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
-    if (plen > 0) weigh(acc, s, S, pv + poff * D, plen, G, D, NULL);
-    weigh(acc, s + plen, S, vb + off * D, len, G, D, nv);
+    if (plen > 0) weigh(acc, s, S, pv, poff, plen, G, D, NULL, BF);
+    weigh(acc, s + plen, S, vb, off, len, G, D, nv, BF);
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g][d];
 }
@@ -160,7 +190,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
     float qb[GMAX * DMAX];
     for (int64_t i = 0; i < QB; i++)
         for (int64_t j = 0; j < G * D; j++) qb[i * G * D + j] = q0[i * step + j];
-    scores(qb, kb, base, n - base, Lcap, s, S, scale, R, D, NULL); /* s[.. l - base] for key l */
+    scores(qb, kb, base, n - base, Lcap, s, S, scale, R, D, NULL, 0); /* s[.. l - base] for key l */
     for (int64_t r = 0; r < R; r++) {
         const int64_t own = n0 + r / G, lo = window > 0 && own > window ? own - window : 0;
         float *sr = s + r * S; /* sr[l - base]: key l */
@@ -171,7 +201,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
     float acc[GMAX][DMAX];
     for (int64_t r = 0; r < R; r++)
         for (int64_t d = 0; d < D; d++) acc[r][d] = 0.0f;
-    weigh(acc, s, S, vb + base * D, n - base, R, D, NULL);
+    weigh(acc, s, S, vb, base, n - base, R, D, NULL, 0);
     for (int64_t i = 0; i < QB; i++)
         for (int64_t j = 0; j < G * D; j++) o0[i * step + j] = acc[i * G + j / D][j % D];
 }
@@ -200,17 +230,17 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
  * right after: a separate pass touched each row's D K^T lines while they were cold (one cache miss per
  * float written, ~150 us a layer at 64 requests), where here they are the lines `scores` reads next. */
 static inline __attribute__((always_inline)) void put(const float *restrict kn, const float *restrict vn,
-                                                       float *restrict kt, float *restrict vt, int64_t p,
-                                                       int64_t Lcap, float *restrict pk_slot,
-                                                       float *restrict pv_slot, const int64_t D) {
-    for (int64_t d = 0; d < D; d++) kt[d * Lcap + p] = kn[d];
+                                                       void *restrict kt, void *restrict vt, int64_t p,
+                                                       int64_t Lcap, void *restrict pk_slot,
+                                                       void *restrict pv_slot, const int64_t D, const int BF) {
+    for (int64_t d = 0; d < D; d++) st(kt, d * Lcap + p, kn[d], BF);
 #pragma omp simd
-    for (int64_t d = 0; d < D; d++) vt[p * D + d] = vn[d];
+    for (int64_t d = 0; d < D; d++) st(vt, p * D + d, vn[d], BF);
     if (pk_slot) {
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) {
-            pk_slot[d] = kn[d];
-            pv_slot[d] = vn[d];
+            st(pk_slot, d, kn[d], BF);
+            st(pv_slot, d, vn[d], BF);
         }
     }
 }
@@ -219,57 +249,67 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
  * [E, H, Pcap, D]; entry may be NULL: no sharing), then lens[r] - plen[r] of its own. With a window, the
  * keys before lo = lens[r] - window are skipped: first the prefix's, then the row's own. With kn (else
  * NULL), the task first writes the step's new key and value at new_pos[b] of its row (`put`). */
-#define DECODE_ROWS(GC, DC)                                                                            \
+#define DECODE_ROWS(GC, DC, BF)                                                                        \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
         const int64_t b = bh / H, h = bh % H, r = rows ? rows[b] : b;                                  \
         if (kn)                                                                                        \
             put(kn + b * kn_stride + h * (DC), vn + b * vn_stride + h * (DC),                          \
-                kt + (r * H + h) * (DC) * Lcap, v + (r * H + h) * Lcap * (DC), new_pos[b], Lcap,         \
-                pool_k ? pool_k + (loc[b] * H + h) * (DC) : NULL,                                      \
-                pool_k ? pool_v + (loc[b] * H + h) * (DC) : NULL, (DC));                               \
+                KV_AT(kt, (r * H + h) * (DC) * Lcap, BF), KV_AT(v, (r * H + h) * Lcap * (DC), BF),     \
+                new_pos[b], Lcap, pool_k ? KV_AT(pool_k, (loc[b] * H + h) * (DC), BF) : NULL,          \
+                pool_k ? KV_AT(pool_v, (loc[b] * H + h) * (DC), BF) : NULL, (DC), BF);                 \
         const int64_t pl = entry ? plen[r] : 0;                                                        \
         const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
         const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;                      \
         const int64_t poff = lo < pl ? lo : pl, off = lo > pl ? lo - pl : 0;                           \
         const int64_t nb = bh + 1, nh = nb % H, nr = nb < B * H ? (rows ? rows[nb / H] : nb / H) : 0;  \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
-        head(q + b * q_stride + h * (GC) * (DC), pk + (e * H + h) * (DC) * Pcap,                       \
-             pv + (e * H + h) * Pcap * (DC), poff, pl - poff, Pcap, kt + (r * H + h) * (DC) * Lcap,     \
-             v + (r * H + h) * Lcap * (DC), off, lens[r] - pl - off, Lcap, out + bh * (GC) * (DC), s,   \
-             Pcap + Lcap,                                                                              \
-             scale, (GC), (DC), nb < B * H ? kt + (nr * H + nh) * (DC) * Lcap : NULL,                    \
-             nb < B * H ? v + (nr * H + nh) * Lcap * (DC) : NULL);                                      \
+        head(q + b * q_stride + h * (GC) * (DC), KV_AT(pk, (e * H + h) * (DC) * Pcap, BF),             \
+             KV_AT(pv, (e * H + h) * Pcap * (DC), BF), poff, pl - poff, Pcap,                          \
+             KV_AT(kt, (r * H + h) * (DC) * Lcap, BF), KV_AT(v, (r * H + h) * Lcap * (DC), BF), off,    \
+             lens[r] - pl - off, Lcap, out + bh * (GC) * (DC), s, Pcap + Lcap, scale, (GC), (DC),       \
+             nb < B * H ? KV_AT(kt, (nr * H + nh) * (DC) * Lcap, BF) : NULL,                            \
+             nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), BF) : NULL, BF);                        \
     }
+#define DECODE_F32(GC, DC) DECODE_ROWS(GC, DC, 0)
+#define DECODE_BF16(GC, DC) DECODE_ROWS(GC, DC, 1)
 
-int decode_attention_f32(const float *q, int64_t q_stride, float *kt, float *v, const int64_t *rows,
+int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, const int64_t *rows,
                          const int64_t *lens, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
-                         int64_t D, int64_t Lcap, float scale, int threads, const float *pk, const float *pv,
+                         int64_t D, int64_t Lcap, float scale, int threads, const void *pk, const void *pv,
                          const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
-                         const int64_t *new_pos, float *pool_k, float *pool_v, const int64_t *loc) {
+                         const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv_bf16) {
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
     if (!entry) Pcap = 0;
-    DISPATCH(DECODE_ROWS)
+    if (kv_bf16) {
+        DISPATCH(DECODE_BF16)
+    } else {
+        DISPATCH(DECODE_F32)
+    }
     return 0;
 }
 
 /* Request b's first n keys of KV head h, from the pool slots slots[0..n), into a K^T tile [D][Lcap] and a
  * V tile [Lcap][D] (the pool is token-major: [S, H, D]; the kernels want positions contiguous per d).
- * K^T is written GATHER_L positions (one cache line) at a time from GATHER_L slots held in L1. */
+ * K^T is written GATHER_L positions (one cache line) at a time from GATHER_L slots held in L1.
+ * SBF / DBF: the pool / the tiles hold bf16 (bf16 to bf16 is a plain copy: widening and rounding back
+ * give the same bits). */
 #define GATHER_L 16
-static inline __attribute__((always_inline)) void gather(const float *restrict pool_k, const float *restrict pool_v,
+static inline __attribute__((always_inline)) void gather(const void *restrict pool_k, const void *restrict pool_v,
                                                           const int64_t *restrict slots, int64_t n, int64_t h,
-                                                          int64_t H, float *restrict kt, float *restrict vt,
-                                                          int64_t Lcap, const int64_t D) {
+                                                          int64_t H, void *restrict kt, void *restrict vt,
+                                                          int64_t Lcap, const int64_t D, const int SBF,
+                                                          const int DBF) {
     for (int64_t l0 = 0; l0 < n; l0 += GATHER_L) {
         const int64_t m = n - l0 < GATHER_L ? n - l0 : GATHER_L;
         for (int64_t d = 0; d < D; d++)
-            for (int64_t i = 0; i < m; i++) kt[d * Lcap + l0 + i] = pool_k[(slots[l0 + i] * H + h) * D + d];
+            for (int64_t i = 0; i < m; i++)
+                st(kt, d * Lcap + l0 + i, ld(pool_k, (slots[l0 + i] * H + h) * D + d, SBF), DBF);
         for (int64_t i = 0; i < m; i++) {
-            const float *restrict vs = pool_v + (slots[l0 + i] * H + h) * D;
+            const int64_t at = (slots[l0 + i] * H + h) * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) vt[(l0 + i) * D + d] = vs[d];
+            for (int64_t d = 0; d < D; d++) st(vt, (l0 + i) * D + d, ld(pool_v, at + d, SBF), DBF);
         }
     }
 }
@@ -278,15 +318,19 @@ static inline __attribute__((always_inline)) void gather(const float *restrict p
  * j's first start[j + 1] - start[j] keys, from the pool slots slots[start[j] ..), into dense row rows[j]
  * from position 0 (kt [Bcap, H, D, Lcap], v [Bcap, H, Lcap, D]), by `gather`, one request per task.
  * torch took an index_select and a permuted copy per (request, layer, K or V). */
-void fill_rows_f32(const float *pool_k, const float *pool_v, const int64_t *slots, const int64_t *start,
-                   const int64_t *rows, int64_t J, int64_t H, int64_t D, float *kt, float *v, int64_t Lcap,
-                   int threads) {
+void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots, const int64_t *start,
+                   const int64_t *rows, int64_t J, int64_t H, int64_t D, void *kt, void *v, int64_t Lcap,
+                   int threads, int kv_bf16) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t j = 0; j < J; j++) {
         const int64_t r = rows[j];
-        for (int64_t h = 0; h < H; h++)
-            gather(pool_k, pool_v, slots + start[j], start[j + 1] - start[j], h, H, kt + (r * H + h) * D * Lcap,
-                   v + (r * H + h) * Lcap * D, Lcap, D);
+        for (int64_t h = 0; h < H; h++) {
+            void *kr = KV_AT(kt, (r * H + h) * D * Lcap, kv_bf16), *vr = KV_AT(v, (r * H + h) * Lcap * D, kv_bf16);
+            if (kv_bf16)
+                gather(pool_k, pool_v, slots + start[j], start[j + 1] - start[j], h, H, kr, vr, Lcap, D, 1, 1);
+            else
+                gather(pool_k, pool_v, slots + start[j], start[j + 1] - start[j], h, H, kr, vr, Lcap, D, 0, 0);
+        }
     }
 }
 
@@ -304,7 +348,10 @@ void fill_rows_f32(const float *pool_k, const float *pool_v, const int64_t *slot
         float *kb = s + ((GC) > XQ ? (GC) : XQ) * Lcap, *vb = kb + (DC) * Lcap;                         \
         /* keys before the first new token's window are read by none: the tile starts at g0 */       \
         const int64_t g0 = window > 0 && prefix[b] + 1 > window ? prefix[b] + 1 - window : 0;          \
-        gather(pool_k, pool_v, slots + b * Lcap + g0, prefix[b] + n_new - g0, h, H, kb, vb, Lcap, (DC)); \
+        if (kv_bf16)                                                                                   \
+            gather(pool_k, pool_v, slots + b * Lcap + g0, prefix[b] + n_new - g0, h, H, kb, vb, Lcap, (DC), 1, 0); \
+        else                                                                                           \
+            gather(pool_k, pool_v, slots + b * Lcap + g0, prefix[b] + n_new - g0, h, H, kb, vb, Lcap, (DC), 0, 0); \
         int64_t t = q_start[b];                                                                        \
         if (QB > 1)                                                                                    \
             for (; t + QB <= q_start[b + 1]; t += QB)                                                  \
@@ -314,14 +361,14 @@ void fill_rows_f32(const float *pool_k, const float *pool_v, const int64_t *slot
             const int64_t n = prefix[b] + (t - q_start[b]) + 1 - g0;                                   \
             const int64_t lo = window > 0 && n > window ? n - window : 0;                              \
             head(q + (t * H + h) * (GC) * (DC), kb, vb, 0, 0, 0, kb, vb, lo, n - lo, Lcap,             \
-                 out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL);             \
+                 out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL, 0);          \
         }                                                                                              \
     }
 
-int extend_attention_f32(const float *q, const float *pool_k, const float *pool_v, const int64_t *slots,
+int extend_attention_f32(const float *q, const void *pool_k, const void *pool_v, const int64_t *slots,
                          const int64_t *q_start, const int64_t *prefix, float *out, float *scratch, int64_t B,
                          int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads,
-                         int64_t window) {
+                         int64_t window, int kv_bf16) {
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
     DISPATCH(EXTEND_ROWS)
     return 0;
