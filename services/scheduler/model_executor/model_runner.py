@@ -241,7 +241,7 @@ class ModelRunner:
         kv, rows = self.token_to_kv_pool, self.req_to_token_pool
         kv_bytes = sum(t.nbytes for t in (*kv.k_buffer, *kv.v_buffer))
         items = [memory.MemoryItem("weights", self.weights_bytes, self.weights_bytes, "--model, --dtype"),
-                 memory.MemoryItem("kv_pool", kv_bytes, kv_bytes, "--max-total-tokens"),
+                 memory.MemoryItem("kv_pool", kv_bytes, kv_bytes, "--max-total-tokens, --kv-cache-dtype"),
                  memory.MemoryItem("req_to_token", rows.req_to_token.nbytes, rows.req_to_token.nbytes,
                                    "--max-running-requests")]
         dense = self.attn_backend.dense
