@@ -328,3 +328,24 @@ def test_kv_cache_dtype_errors_name_the_flag(model_dir: str, asked: str, cpu_ker
         ModelRunner(model_dir, device="cpu", kv_cache_dtype=asked, cpu_kernels=cpu_kernels, max_total_tokens=256,
                     max_running_requests=2)
     assert "kv_cache_dtype" in str(e.value)
+
+
+def test_bf16_without_a_bf16_linear_runs_wholly_in_bf16(model_dir: str, hf_model,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bf16 linear (no AVX512-BF16 / AMX), --dtype bfloat16 is torch's bf16 throughout:
+    weights, activations and KV, no C kernels; logits stay within bf16 rounding of float32's."""
+    from services.scheduler.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "supported", lambda dtype=torch.float32: dtype == torch.float32)
+    r = ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=256, max_running_requests=2)
+    assert (r.linear_dtype, r.dtype, r.kv_dtype, r.native) == (torch.bfloat16, torch.bfloat16, torch.bfloat16, None)
+    assert r.dtype_label() == "bfloat16"
+    s = Seq(r, torch.randint(0, 4096, (20,), generator=torch.Generator().manual_seed(3)).tolist())
+    logits = r.forward(make_batch([s], ForwardMode.EXTEND, [20]))
+    for _ in range(3):
+        want = hf_last_logits(hf_model, s.ids)
+        err = float((logits[0] - want).abs().max())
+        print(f"bf16 logits error {err:.3g}")
+        assert logits.dtype == torch.float32 and 1e-4 < err < 0.5  # measured 0.15
+        s.ids.append(int(want.argmax()))
+        logits = r.forward(make_batch([s], ForwardMode.DECODE, [1]))
