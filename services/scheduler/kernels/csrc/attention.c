@@ -1,7 +1,8 @@
-/* Attention kernels for CPU: float32 queries and outputs, the KV cache (pool, dense decode rows, shared
- * prefixes) in float32 or bfloat16 (`kv_bf16`). Decode reads the dense decode cache, and prefill
- * (extend) reads each request's keys, copied from the KV pool into a per-thread float32 tile. Both are the same per-query routine,
- * `head`; extend runs several new tokens of a request through it at once (`block`).
+/* Attention kernels for CPU: float32 queries and outputs (the entry points' `_f32`), the KV cache (pool,
+ * dense decode rows, shared prefixes) in float32 or bfloat16 (`kv_bf16`). Decode reads the dense decode
+ * cache, and prefill (extend) reads each request's keys, copied from the KV pool into a per-thread
+ * float32 tile. Both are the same per-query routine, `head`; extend runs several new tokens of a request
+ * through it at once (`block`).
  *
  * `head` takes one query token's G query heads (the group of one KV head), scores them against that
  * KV head's keys [0, len), softmaxes, and weights the values. K is stored transposed (K^T rows are
