@@ -294,21 +294,31 @@ int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, co
 /* Request b's first n keys of KV head h, from the pool slots slots[0..n), into a K^T tile [D][Lcap] and a
  * V tile [Lcap][D] (the pool is token-major: [S, H, D]; the kernels want positions contiguous per d).
  * K^T is written GATHER_L positions (one cache line) at a time from GATHER_L slots held in L1.
- * SBF / DBF: the pool / the tiles hold bf16 (bf16 to bf16 is a plain copy: widening and rounding back
- * give the same bits). */
+ * SBF / DBF: the pool / the tiles hold bf16; bf16 to bf16 copies the 16-bit words as they are (widening
+ * and rounding back would give the same bits at twice the work). */
 #define GATHER_L 16
 static inline __attribute__((always_inline)) void gather(const void *restrict pool_k, const void *restrict pool_v,
                                                           const int64_t *restrict slots, int64_t n, int64_t h,
                                                           int64_t H, void *restrict kt, void *restrict vt,
                                                           int64_t Lcap, const int64_t D, const int SBF,
                                                           const int DBF) {
+    const int raw = SBF && DBF;
     for (int64_t l0 = 0; l0 < n; l0 += GATHER_L) {
         const int64_t m = n - l0 < GATHER_L ? n - l0 : GATHER_L;
         for (int64_t d = 0; d < D; d++)
-            for (int64_t i = 0; i < m; i++)
-                st(kt, d * Lcap + l0 + i, ld(pool_k, (slots[l0 + i] * H + h) * D + d, SBF), DBF);
+            for (int64_t i = 0; i < m; i++) {
+                const int64_t from = (slots[l0 + i] * H + h) * D + d, to = d * Lcap + l0 + i;
+                if (raw)
+                    ((uint16_t *)kt)[to] = ((const uint16_t *)pool_k)[from];
+                else
+                    st(kt, to, ld(pool_k, from, SBF), DBF);
+            }
         for (int64_t i = 0; i < m; i++) {
             const int64_t at = (slots[l0 + i] * H + h) * D;
+            if (raw) {
+                __builtin_memcpy((uint16_t *)vt + (l0 + i) * D, (const uint16_t *)pool_v + at, D * 2);
+                continue;
+            }
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) st(vt, (l0 + i) * D + d, ld(pool_v, at + d, SBF), DBF);
         }
