@@ -22,7 +22,14 @@ from ringserve import cpu_layout
 from ringserve.config import env_name, parse_config
 from ringserve.cpu_layout import CpuLayout
 from ringserve.logs import setup_logging
-from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model, with_tokenizer
+from ringserve.model_source import (
+    architectures,
+    exit_on_model_error,
+    parameter_count,
+    require_files,
+    resolve_model,
+    with_tokenizer,
+)
 from ringserve.process import ServiceProcess, python_cmd
 from ringserve.text_tokenizer import default_model
 
@@ -58,7 +65,8 @@ class LauncherConfig:
         "next crash")})
     io_cores: int = field(default=-1, metadata={"help": (
         "cores kept for the gateway, tokenizer and detokenizer when the scheduler runs on CPU: they are "
-        "pinned there and its decode steps use the other cores; 0: no pinning; -1: one per 8 cores")})
+        "pinned there and its decode steps use the other cores; 0: no pinning; -1: one per 8 cores (at "
+        "least one) for a model under 50M parameters, one per 64 for larger ones (none on fewer cores)")})
     chat_template: str = field(default="", metadata={"help": "the tokenizer's --chat-template (a file or the text)"})
     tool_call_parser: str = field(default="", metadata={"help": "the tokenizer's --tool-call-parser"})
     reasoning_parser: str = field(default="", metadata={"help": "the tokenizer's --reasoning-parser"})
@@ -164,7 +172,8 @@ class Launcher:
         self.cfg = cfg
         self.stopping = threading.Event()
         self.services: list[Managed] = []
-        self.layout = cpu_layout.plan(cfg.io_cores, cpu_layout.scheduler_on_cpu(cfg.scheduler_args))
+        self.layout = cpu_layout.plan(cfg.io_cores, cpu_layout.scheduler_on_cpu(cfg.scheduler_args),
+                                      model_params=parameter_count(Path(cfg.model)))
 
     def _wait_ready(self, svc: Managed) -> None:
         if svc.grpc_target is not None:

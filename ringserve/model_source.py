@@ -26,8 +26,10 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -158,6 +160,24 @@ def architectures(path: Path) -> list[str]:
     if not config.exists():
         return []
     return list(json.loads(config.read_text(encoding="utf-8")).get("architectures") or [])
+
+
+def parameter_count(path: Path) -> int | None:
+    """The weights' element count, from the headers of a model directory's safetensors files (None
+    without any, or where a header cannot be read)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    try:
+        for f in files:
+            with f.open("rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return total
 
 
 # -- GGUF ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,13 +74,16 @@ def test_killed_service_is_restarted(stack: Stack) -> None:
     assert len(out["output_ids"]) == 4 or out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
-def test_io_services_pinned_apart_from_the_forward_on_a_cpu_machine(stack: Stack) -> None:
+def test_io_services_pinned_apart_from_the_forward_on_a_cpu_machine(stack: Stack, model_dir: str) -> None:
     import psutil
 
     from ringserve import cpu_layout
+    from ringserve.model_source import parameter_count
 
     assert stack.launcher.proc is not None
-    layout = cpu_layout.plan(-1, cpu_layout.scheduler_on_cpu(""))
+    params = parameter_count(Path(model_dir))
+    assert params is not None and params < cpu_layout.LARGE_MODEL_PARAMS  # the tiny model: pinned on 2+ cores
+    layout = cpu_layout.plan(-1, cpu_layout.scheduler_on_cpu(""), model_params=params)
     everywhere = sorted(os.sched_getaffinity(0))
     seen = {}
     for p in psutil.Process(stack.launcher.proc.pid).children(recursive=True):

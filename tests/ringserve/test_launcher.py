@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+from pathlib import Path
+
 import pytest
 
+from ringserve import cpu_layout
 from ringserve.config import parse_config
 from ringserve.cpu_layout import CpuLayout
 from ringserve.launcher import (
+    Launcher,
     LauncherConfig,
     RestartBackoff,
     check_restart_policy,
@@ -32,6 +39,19 @@ def test_cpu_layout_gives_the_scheduler_decode_threads_before_the_users_flags() 
     sched = service_commands(cfg, CpuLayout(io_cpus=frozenset({1}), decode_threads=1))[1][1]
     assert sched[-4:] == ["--decode-threads", "1", "--decode-threads", "3"]  # the last one wins
     assert "--decode-threads" not in service_commands(cfg)[1][1][:-2]
+
+
+@pytest.mark.parametrize("elements, pinned", [(10**6, True), (10**8, False)])
+def test_launcher_sizes_the_cpu_layout_by_the_models_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                elements: int, pinned: bool) -> None:
+    # Only the safetensors header is read, so a header alone stands for a model of that size.
+    header = json.dumps({"w": {"dtype": "F32", "shape": [elements], "data_offsets": [0, 4 * elements]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(cpu_layout, "GPU_DEVICE_FILES", ())
+    monkeypatch.delenv("RINGSERVE_DEVICE", raising=False)
+    layout = Launcher(parse_config(LauncherConfig, ["--model", str(tmp_path)], env={})).layout
+    assert layout == (CpuLayout(io_cpus=frozenset({1}), decode_threads=1) if pinned else None)
 
 
 def test_disable_overlap_schedule_reaches_the_scheduler_only() -> None:
