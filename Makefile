@@ -37,8 +37,9 @@ run: model
 	$(PY) -m ringserve.launcher $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 # lint first: a lint finding fails `make test` (and so CI, which runs `make test`) before any test runs.
+# --durations: the slowest tests, so a run shows where the suite's time goes.
 test: lint model
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 tests $(PYTEST_ARGS)
 
 # The real Gemma 3 270M through the four processes against transformers (fetched and converted on first
 # use, ~6 min; then about 4 min): not in `make test`.
