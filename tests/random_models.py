@@ -47,6 +47,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# The sliding-window tests' models, by name: Gemma 3 as above (window 8 on its local layers), and
+# Mistral with a window of 16 on every layer; both far shorter than the prompts those tests send.
+WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3": ("Gemma3ForCausalLM", {}),
+    "mistral": ("MistralForCausalLM", dict(head_dim=16, sliding_window=16)),
+}
+
+
 def hf_config(arch: str, **overrides: Any):
     from transformers import AutoConfig
 
@@ -70,3 +78,9 @@ def build(arch: str, out: Path, tokenizer_dir: str, seed: int = 0, **overrides: 
         if (Path(tokenizer_dir) / f).exists():
             shutil.copy(Path(tokenizer_dir) / f, out / f)
     return out
+
+
+def build_windowed(name: str, out: Path, tokenizer_dir: str) -> Path:
+    """The WINDOWED model `name`, as `build` writes it."""
+    arch, overrides = WINDOWED[name]
+    return build(arch, out, tokenizer_dir, **overrides)

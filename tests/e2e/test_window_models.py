@@ -1,6 +1,6 @@
 """Sliding-window families through the four processes: a random Gemma 3 (local layers with window 8
 around a global one) and a random Mistral (window 16 on every layer), one stack each
-(`tests/window_models.py`). Six concurrent prompts of 30-80 tokens, half sharing a 70-token prefix (radix
+(`tests/random_models.py`). Six concurrent prompts of 30-80 tokens, half sharing a 70-token prefix (radix
 cache hits; on the C kernels one shared dense copy of it in decode), go in 8-token prefill chunks with
 decode mixed into the prefill steps, on a KV pool so small that requests are retracted and recomputed,
 and come back token for token as transformers' greedy `generate`."""
@@ -15,7 +15,7 @@ import torch
 
 from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_full_stack import scrape
-from tests.window_models import FAMILIES, build
+from tests.random_models import WINDOWED, build_windowed
 
 pytestmark = pytest.mark.e2e
 NEW_TOKENS = 16
@@ -23,10 +23,10 @@ PROMPTS = 6
 KV_POOL = 80 + NEW_TOKENS + 16  # the longest prompt and its output, and little more
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(WINDOWED))
 def family(request: pytest.FixtureRequest, model_dir: str,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Stack]]:
-    path = str(build(request.param, tmp_path_factory.mktemp(request.param), model_dir))
+    path = str(build_windowed(request.param, tmp_path_factory.mktemp(request.param), model_dir))
     args = f"--chunked-prefill-size 8 --enable-mixed-chunk --max-total-tokens {KV_POOL}"
     with running_stack(path, "--scheduler-args", args) as stack:
         yield path, stack

@@ -125,9 +125,9 @@ def test_graph_replay_equals_eager(model_path: str, bs: int) -> None:
 def test_sliding_window_families_on_cuda_match_cpu(model_path: str, family: str, prompts, tmp_path) -> None:
     """Windows (8 / 16) far shorter than the prompts: eager prefill masks and the graphs' static window
     masks in decode give the CPU reference's logits and tokens."""
-    from tests.window_models import build
+    from tests.random_models import build_windowed
 
-    path = str(build(family, tmp_path / family, model_path))
+    path = str(build_windowed(family, tmp_path / family, model_path))
     cpu = ModelRunner(path, device="cpu", max_total_tokens=4096, max_running_requests=8)
     gpu = ModelRunner(path, device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8,
                       cuda_graph_max_bs=8)

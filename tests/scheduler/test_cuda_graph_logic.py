@@ -45,9 +45,9 @@ def test_emulated_graphs_equal_eager_across_buckets(model_dir: str) -> None:
 
 def test_emulated_graphs_keep_each_layers_window(model_dir: str, tmp_path) -> None:
     """Gemma 3's local layers (window 8) replay over their own static masks, refilled every step."""
-    from tests.window_models import build
+    from tests.random_models import build_windowed
 
-    path = str(build("gemma3", tmp_path / "gemma3", model_dir))
+    path = str(build_windowed("gemma3", tmp_path / "gemma3", model_dir))
     r = ModelRunner(path, device="cpu", max_total_tokens=1024, max_running_requests=4,
                     attention_backend="torch", emulate_cuda_graph=True, cuda_graph_max_bs=4)
     assert r.cuda_graph_runner is not None and list(r.cuda_graph_runner.window_masks) == [8]

@@ -244,9 +244,9 @@ def test_a_backend_without_windows_is_refused_by_name_and_replaced_by_default(
     pytest.importorskip("triton")
     from services.scheduler.attention.triton_backend import TritonAttnBackend
     from services.scheduler.model_executor import model_runner
-    from tests.window_models import build
+    from tests.random_models import build_windowed
 
-    path = str(build("mistral", tmp_path / "mistral", model_dir))
+    path = str(build_windowed("mistral", tmp_path / "mistral", model_dir))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backend on CPU, as its own tests run it
     monkeypatch.setattr(TritonAttnBackend, "supports_sliding_window", False)
     with pytest.raises(ValueError, match="attention_backend: triton has no sliding-window attention"):
