@@ -162,15 +162,24 @@ def architectures(path: Path) -> list[str]:
     return list(json.loads(config.read_text(encoding="utf-8")).get("architectures") or [])
 
 
+def safetensors_files(path: Path) -> list[Path]:
+    """A model directory's weight shards: those its index names, else every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (pickle checkpoints are not loaded)")
+    return files
+
+
 def parameter_count(path: Path) -> int | None:
     """The weights' element count, from the headers of a model directory's safetensors files (None
     without any, or where a header cannot be read)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return None
     total = 0
     try:
-        for f in files:
+        for f in safetensors_files(path):
             with f.open("rb") as fh:
                 (size,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(size))

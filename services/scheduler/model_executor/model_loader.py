@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from ringserve.model_source import resolve_model, safetensors_files
+
 logger = logging.getLogger(__name__)
 
 def resolve_model_path(model_path: str) -> Path:
     """The model directory (ringserve.model_source: a GGUF is converted here if it was not yet)."""
-    from ringserve.model_source import resolve_model
-
     return resolve_model(model_path, prepare=True)
 
 
@@ -39,17 +39,6 @@ def load_eos_token_ids(path: Path, config) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path} (pickle checkpoints are not loaded)")
-    return files
 
 
 def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

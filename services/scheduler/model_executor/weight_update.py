@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ringserve.model_source import safetensors_files
 from services.scheduler.kernels import cpu_linear
 from services.scheduler.model_executor import model_loader
 from services.scheduler.model_executor.model_runner import ModelRunner
@@ -59,7 +60,7 @@ def check(runner: ModelRunner, model_path: str) -> list[Path]:
         raise WeightUpdateError(f"model_path: {model_path!r} is not a directory")
     _check_config(runner.model_config.to_dict(), path)
     try:
-        files = model_loader.safetensors_files(path)
+        files = safetensors_files(path)
     except FileNotFoundError as e:
         raise WeightUpdateError(str(e)) from None
     model = runner.model
