@@ -1,9 +1,10 @@
 """The C kernels against plain torch: attention (decode and prefill, the decode step's K/V store with it;
 float32 and bfloat16 KV), the dense decode rows' fill, rotary, the SiLU gate, the residual add with
-RMSNorm, and greedy argmax."""
+RMSNorm, greedy argmax, and the small-batch linear over bf16 weights."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
 import sys
@@ -451,6 +452,44 @@ def test_argmax_picks_what_torch_picks(kernel) -> None:
     logits[5, 0] = 1e30
     assert kernel.argmax(logits) == logits.argmax(-1).tolist()
     assert kernel.argmax(logits[:, :1000]) == logits[:, :1000].argmax(-1).tolist()  # strided rows
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 96, 64), (3, 33, 48), (7, 130, 1536), (8, 17, 40), (19, 64, 576)])
+def test_linear_over_bf16_weights_is_the_product_of_the_rounded_operands(kernel, threads: int, rows: int, n: int,
+                                                                          k: int) -> None:
+    """Any row count (8 at a time, the rest one size down), any K (a last part shorter than a cache
+    line of weights), odd N (the last weight row alone); float32 sums of the bf16-rounded x and W."""
+    torch.manual_seed(rows * n + k)
+    w = (torch.randn(n, k) * 0.1).bfloat16()
+    x = torch.randn(rows, k + 5)[:, :k]  # rows at a stride, as a slice of a wider activation
+    want = x.bfloat16().double() @ w.double().T
+    got = kernel.linear_bf16w(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # ... and the input is rounded: the float32 x would differ by far more than the sums' rounding.
+    assert (got.double() - x.double() @ w.double().T).abs().max() > 1e-4
+    with pytest.raises(AssertionError):  # float32 weights: not this kernel's
+        kernel.linear_bf16w(x, w.float())
+
+
+def test_linear_over_bf16_weights_without_avx512_bf16_computes_the_same(tmp_path: Path, monkeypatch) -> None:
+    """The portable path (widened weights, float32 FMAs), built here with AVX512-BF16 off, against the
+    same reference: CPUs without it run this one."""
+    from services.scheduler.kernels import kernel_build
+
+    monkeypatch.setattr(kernel_build, "CFLAGS", [*kernel_build.CFLAGS, "-mno-avx512bf16"])
+    path = kernel_build.build((Path(cpu_kernels.__file__).parent / "csrc" / "linear.c",), cache=str(tmp_path))
+    if path is None:
+        pytest.skip("no C compiler on this machine")
+    fn = ctypes.CDLL(str(path)).linear_bf16w_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    torch.manual_seed(5)
+    for rows, n, k in ((1, 96, 64), (11, 33, 40)):
+        w, x = (torch.randn(n, k) * 0.1).bfloat16(), torch.randn(rows, k)
+        out = torch.empty(rows, n)
+        assert fn(x.data_ptr(), k, rows, w.data_ptr(), n, k, out.data_ptr(), 2) == 0
+        torch.testing.assert_close(out.double(), x.bfloat16().double() @ w.double().T, rtol=1e-5, atol=1e-5)
 
 
 def test_extend_scratch_is_sized_for_the_kernels_blocks() -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler.kernels import cpu_linear
+from services.scheduler.kernels import cpu_kernels, cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.supported(), reason="no oneDNN packed linear in this torch")
 
@@ -54,6 +54,28 @@ def test_bf16_weights_compute_what_a_bf16_linear_does(rows: int, bias: bool) -> 
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     # ... and not the float32 product: the rounding is really there (a float32 fallback would pass above).
     assert (got - F.linear(x, w, b)).abs().max() > 1e-4
+
+
+@bf16
+def test_bf16_small_batches_go_to_the_native_kernel_and_agree_with_onednn() -> None:
+    native = cpu_kernels.load()
+    if native is None:
+        pytest.skip("no C compiler on this machine")
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 48) * 0.1, torch.randn(96)
+    layer = cpu_linear.PackedLinear(w, b, torch.bfloat16, native=native)
+    onednn = cpu_linear.PackedLinear(w, b, torch.bfloat16)
+    for rows in (1, cpu_linear.BF16_SMALL_T - 1, cpu_linear.BF16_SMALL_T):
+        x = torch.randn(rows, 48)
+        got = layer(x)
+        if rows < cpu_linear.BF16_SMALL_T:  # the native kernel's float32 sums, bias added after
+            assert torch.equal(got, native.linear_bf16w(x, layer.weight) + b)
+        else:
+            assert torch.equal(got, onednn(x))
+        # oneDNN rounds its output to bf16: the two paths agree to that rounding.
+        torch.testing.assert_close(got, onednn(x), rtol=1e-2, atol=1e-2)
+    # float32 weights never take it
+    assert cpu_linear.PackedLinear(w, None, torch.float32, native=native).native is None
 
 
 @bf16

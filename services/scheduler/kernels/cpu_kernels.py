@@ -151,6 +151,7 @@ class NativeKernels:
         self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int])
         self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
         self._moe_gemm = self._fn(lib.moe_gemm_f32, None, [_P, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int])
+        self._linear_bf16 = self._fn(lib.linear_bf16w_f32, ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int])
 
     @staticmethod
     def _fn(f, restype, argtypes):
@@ -276,6 +277,19 @@ class NativeKernels:
         table = torch.tensor(groups, dtype=torch.int64).reshape(-1, 3)
         self._moe_gemm(a.data_ptr(), a.stride(0), w.data_ptr(), n, k, table.data_ptr(), table.shape[0],
                        out.data_ptr(), torch.get_num_threads())
+
+    def linear_bf16w(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w.T for a few rows of x: [T, K] float32 (rows at any stride), each element rounded to bf16
+        first, as the bf16 GEMM does; w: [N, K] bfloat16 contiguous -> [T, N] float32 (float32 sums)."""
+        t, k = x.shape
+        n, k2 = w.shape
+        assert k == k2 and x.dtype == torch.float32 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+        assert x.stride(1) == 1 and w.is_contiguous() and t >= 1
+        out = x.new_empty(t, n)
+        if self._linear_bf16(x.data_ptr(), x.stride(0), t, w.data_ptr(), n, k, out.data_ptr(),
+                             torch.get_num_threads()) != 0:
+            raise MemoryError(f"linear_bf16w: {t} x {k} floats for the rounded input")
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 I] float32 contiguous -> silu(gate) * up, [T, I]."""

@@ -13,6 +13,12 @@ the weights is the cost, 35-50 against 23-33). The activations around each GEMM 
 input is rounded to bf16 on the way in and the output widened on the way out, so norms, rotary,
 attention and the KV cache keep the float32 C kernels (see ModelRunner for the split).
 
+oneDNN's bf16 GEMM costs several times what reading the weights does at a handful of rows (a Xeon
+with AMX, SmolLM2-135M's linears at batch 1: 32.6 ms a step against 17.6 for the native kernel of
+csrc/linear.c, which reads the plain bf16 weight once and dots it with every row; 1.1-3.2x per shape,
+even at 4 rows, behind at 16). So with the native kernels, fewer than BF16_SMALL_T rows go there. Its
+output is the float32 sum, where oneDNN's is rounded to bf16.
+
 The packed op is the one torch's inductor uses for frozen CPU linears
 (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise); when it is missing or misbehaves,
 packing is skipped and everything stays on F.linear.
@@ -26,8 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.scheduler.kernels.cpu_kernels import NativeKernels
+
 log = logging.getLogger(__name__)
 SMALL_T = 4        # fewer rows than this: F.linear in float32 (oneDNN's call overhead dominates)
+BF16_SMALL_T = 8   # fewer rows than this, with bf16 weights: the native kernel (csrc/linear.c)
 PACK_BATCH_HINT = 64
 
 
@@ -55,12 +64,14 @@ class PackedLinear(nn.Module):
     """y = x @ W^T + b with W in oneDNN's packed layout; x: [T, in] float32 on CPU, y: [T, out] float32.
 
     With `dtype` bfloat16 the weight is held (and packed) in bf16 only; `tied`: the weight is a bf16
-    copy of another module's parameter (a tied lm_head's embedding), refreshed from it on repack."""
+    copy of another module's parameter (a tied lm_head's embedding), refreshed from it on repack;
+    `native`: the kernels that take bf16 layers' small batches."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None,
-                 tied: bool = False) -> None:
+                 tied: bool = False, native: NativeKernels | None = None) -> None:
         super().__init__()
         dtype = dtype or weight.dtype
+        self.native = native if dtype == torch.bfloat16 else None
         self.tied_to: torch.Tensor | None = None
         if dtype == weight.dtype:
             self.weight = weight
@@ -80,7 +91,10 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # bf16 weights under float32 activations: a bf16 GEMM (float32 accumulation) on the rounded
         # input, widened back; the bias stays float32, added after.
-        y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), self.packed, None, "none", [], "").to(x.dtype)
+        if self.native is not None and x.shape[0] < BF16_SMALL_T and x.stride(-1) == 1:
+            y = self.native.linear_bf16w(x, w)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), self.packed, None, "none", [], "").to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
     def repack(self) -> None:
@@ -105,15 +119,15 @@ def supported(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32, native: NativeKernels | None = None) -> int:
     """Swap every float32 CPU nn.Linear of `model` for a PackedLinear holding its weight in `dtype`
-    (the float32 weight is dropped when that is bf16); returns how many."""
+    (the float32 weight is dropped when that is bf16; `native` takes its small batches); returns how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 \
                     and child.weight.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child.weight, child.bias, dtype))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, dtype, native=native))
                 swapped += 1
     return swapped
 

@@ -161,9 +161,10 @@ class ModelRunner:
             model.use_native_kernels(self.native)
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.cpu_kernels and cpu_linear.supported():
             if model.lm_head is None:  # tied: a packed copy of the embedding matrix for the logits
-                model.lm_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None, self.linear_dtype, tied=True)
+                model.lm_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None, self.linear_dtype, tied=True,
+                                                        native=self.native)
             logger.info("linear layers: %d on oneDNN with packed %s weights",
-                        cpu_linear.pack_linears(model, self.linear_dtype), _name(self.linear_dtype))
+                        cpu_linear.pack_linears(model, self.linear_dtype, self.native), _name(self.linear_dtype))
         return model.eval()
 
     def _make_attn_backend(self) -> Any:
