@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.scheduler.config import EngineConfig
     from services.scheduler.core.engine import Engine
+    from services.scheduler.memory import configure_malloc
+
+    configure_malloc()  # as the scheduler service does
 
     engine = Engine(EngineConfig(model=str(args.model), dtype=args.dtype))
     engine.warmup()

@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.scheduler.config import EngineConfig
     from services.scheduler.core.engine import Engine
+    from services.scheduler.memory import configure_malloc
+
+    configure_malloc()  # as the scheduler service does
 
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     model_dir = resolve(args.model)

@@ -10,7 +10,7 @@ from ringserve.config import parse_config
 from ringserve.logs import setup_logging
 from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model
 from services.scheduler.config import SchedulerServerConfig
-from services.scheduler.memory import MALLOC_ARENAS, MemoryBudgetError, limit_arenas
+from services.scheduler.memory import MemoryBudgetError, configure_malloc
 from services.scheduler.models import check_architectures
 from services.scheduler.server import SchedulerServer
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         path = require_files(resolve_model(cfg.model, prepare=True), cfg.model, "config.json", "tokenizer.json")
         check_architectures(architectures(path), cfg.model)
     setup_logging("scheduler")
-    limit_arenas(MALLOC_ARENAS)
+    configure_malloc()
     try:
         return asyncio.run(SchedulerServer(replace(cfg, model=str(path))).serve())
     except MemoryBudgetError as e:  # the configuration cannot fit: one line, before an OOM kill could come

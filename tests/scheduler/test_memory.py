@@ -44,6 +44,28 @@ class _Compiled(CompiledGrammar):
         return self.size
 
 
+def test_configure_malloc_sets_arenas_and_thresholds_unless_the_environment_does(monkeypatch) -> None:
+    calls: list[tuple[int, int]] = []
+
+    class FakeLibc:
+        def mallopt(self, param, value) -> int:
+            calls.append((param.value, value.value))
+            return 1
+
+    monkeypatch.setattr(memory, "_LIBC", FakeLibc())
+    for env in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(env, raising=False)
+    memory.configure_malloc(3)
+    assert calls == [(memory.M_ARENA_MAX, 3), (memory.M_MMAP_THRESHOLD, memory.MMAP_THRESHOLD),
+                     (memory.M_TRIM_THRESHOLD, memory.TRIM_THRESHOLD)]
+    calls.clear()
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # the operator's choice stands
+    memory.configure_malloc()
+    assert calls == [(memory.M_ARENA_MAX, memory.MALLOC_ARENAS), (memory.M_TRIM_THRESHOLD, memory.TRIM_THRESHOLD)]
+    # glibc's highest mmap threshold on 64-bit: a larger value would be refused and nothing set
+    assert memory.MMAP_THRESHOLD <= 32 * MIB
+
+
 def test_grammar_cache_keeps_its_byte_bound_least_recently_used_out_first() -> None:
     cache = GrammarCache(max_entries=10, max_bytes=100)
     for i in range(3):
