@@ -11,6 +11,9 @@ attends over `req_to_token[row, :seq_len]`:
 
 On CPU in float32 the C kernels (cpu_kernels.py) take over: DECODE over the dense decode cache, and
 EXTEND over each request's keys read from the pool, with no padding and no mask (`extend_layout`).
+Under bf16 linears (`prefill_dtype` bfloat16), an EXTEND whose requests have nothing cached runs
+torch's flash attention in bf16 instead, one call per request on its new K/V (the C kernel computes
+in float32; a Xeon with AMX: 71 against 187 ms for a 512-token prompt's 30 layers, 1.5x at 32 x 128).
 
 Sliding window: a layer may attend only to the last `window` keys of each query (HF: query at
 position i sees keys j with i - window < j <= i), given per layer at construction (`sliding_windows`,
@@ -54,6 +57,9 @@ class SDPAMetadata:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     q_pad_index: torch.Tensor | None = None  # EXTEND [T] int64: row of each token in the [B * Lq] padding
     extend_layout: ExtendLayout | None = None  # EXTEND on the C kernel (CPU): where each request's tokens are
+    # EXTEND with nothing cached under bf16 linears: each request's [start, end) among the new tokens,
+    # for flash attention in bf16 (layers with a window still take the C kernel).
+    prefill_spans: list[tuple[int, int]] | None = None
     batch_size: int = 0
     q_len: int = 1                           # Lq: longest new span
     dense_rows: DecodeRows | None = None     # DECODE on CPU: the batch's rows in the dense decode cache
@@ -67,10 +73,12 @@ class TorchSDPABackend:
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
                  num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None,
                  native: NativeKernels | None = None, decode_cache_bytes: int | None = None,
-                 sliding_windows: Sequence[int | None] | None = None, dtype: torch.dtype | None = None) -> None:
+                 sliding_windows: Sequence[int | None] | None = None, dtype: torch.dtype | None = None,
+                 prefill_dtype: torch.dtype | None = None) -> None:
         """sliding_windows: per layer, its window (None: the layer attends to every key); None: no layer has one.
         dtype: the queries' and outputs' (None: the KV pool's); with the C kernels the pool may hold
-        bfloat16 under float32 activations, and the torch paths widen what they gather."""
+        bfloat16 under float32 activations, and the torch paths widen what they gather.
+        prefill_dtype: bfloat16 (with the C kernels): prompts with nothing cached attend in bf16."""
         self.req_to_token = req_to_token_pool.req_to_token
         self.kv_pool = kv_pool
         self.num_heads = num_heads
@@ -91,6 +99,7 @@ class TorchSDPABackend:
         # CudaGraphRunner looks for the attribute with hasattr.
         self.metadata: SDPAMetadata = None  # type: ignore[assignment]
         self.native = native  # CPU float32: the C kernels (decode over the dense cache, and prefill)
+        self.prefill_bf16 = native is not None and prefill_dtype == torch.bfloat16
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
                                        self.req_to_token.shape[1], max_bytes=decode_cache_bytes,
@@ -142,8 +151,13 @@ class TorchSDPABackend:
             torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int64), 0, out=q_start[1:])
             layout = extend_layout(kv_index, q_start, torch.tensor(batch.prefix_lens, dtype=torch.int64),
                                    self.kv_pool.num_slots)
+            spans = None
+            if self.prefill_bf16 and not any(batch.prefix_lens):
+                bounds = q_start.tolist()
+                spans = list(zip(bounds[:-1], bounds[1:]))
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,
-                                mask=None, batch_size=bs, q_len=max(batch.extend_lens), extend_layout=layout)
+                                mask=None, batch_size=bs, q_len=max(batch.extend_lens), extend_layout=layout,
+                                prefill_spans=spans)
         if bs == 1 and batch.prefix_lens[0] == 0:
             n = batch.extend_lens[0]
             windows: dict[int, torch.Tensor] = {}
@@ -199,6 +213,8 @@ class TorchSDPABackend:
             return self._decode_dense(q, k, v, layer_id, md)
         if md.is_decode:
             return self._decode(q, layer_id, md)
+        if md.prefill_spans is not None and self.windows[layer_id] is None:
+            return self._prefill_bf16(q, k, v, md.prefill_spans)
         if md.kv_index is None:
             # One request, nothing cached: attend to the new K/V directly (causal, or the window's mask).
             window = self.windows[layer_id]
@@ -277,6 +293,20 @@ class TorchSDPABackend:
                                              enable_gqa=self.group > 1)  # [B, Hq, Lq, D]
         out = out.transpose(1, 2).reshape(bs * q_len, -1)
         return out[md.q_pad_index]  # [T, Hq * D]
+
+    def _prefill_bf16(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Causal attention of each request's new tokens among themselves (nothing cached), in bf16 as
+        transformers runs a bf16 model: q [T, Hq, D], k, v [T, Hkv, D] float32 -> [T, Hq * D] float32.
+        One call per request, not one padded batch: no padding to compute, and per request the call
+        was as fast (32 x 128 tokens)."""
+        qb, kb, vb = (x.to(torch.bfloat16).transpose(0, 1) for x in (q, k, v))  # [H, T, D] views
+        outs = [F.scaled_dot_product_attention(qb[None, :, s:e], kb[None, :, s:e], vb[None, :, s:e],
+                                               is_causal=True, scale=self.scaling,
+                                               enable_gqa=self.group > 1)[0]  # [Hq, n, D]
+                for s, e in spans]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [Hq, T, D]
+        return out.transpose(0, 1).reshape(q.shape[0], -1).float()
 
     def _extend_native(self, q: torch.Tensor, layer_id: int, md: SDPAMetadata) -> torch.Tensor:
         # Causal blocks are skipped, and each request's K/V are read from the pool into a per-thread

@@ -199,7 +199,7 @@ class ModelRunner:
                                 self.num_heads, self.num_kv_heads, self.head_dim,
                                 scaling=self.model.first_attention().scaling, native=self.native, dtype=self.dtype,
                                 decode_cache_bytes=self.decode_cache_bytes,
-                                sliding_windows=self.model.sliding_windows())
+                                sliding_windows=self.model.sliding_windows(), prefill_dtype=self.linear_dtype)
 
     def _window_capable(self, cls: type, name: str, windows: list[int | None]) -> bool:
         """Whether backend `cls` can serve this model's windows (always, when it has none)."""
