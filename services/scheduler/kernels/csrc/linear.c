@@ -99,70 +99,46 @@ static inline __attribute__((always_inline)) void rows_dp(const uint16_t *restri
     for (; n + 2 <= n1; n += 2) block_dp(xb, w, K, out, N, n, 2, R);
     if (n < n1) block_dp(xb, w, K, out, N, n, 1, R);
 }
-#define DP 1
+/* x's rows as the dot products read them: bf16 words for vdpbf16ps, else float32 */
+typedef uint16_t xtype;
+static inline void put_x(xtype *to, float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    *to = (uint16_t)(u >> 16);
+}
+#define ROWS(R) rows_dp(xt, w, K, ot, N, n0, n1, R)
 #else
-#define DP 0
+typedef float xtype;
+static inline void put_x(xtype *to, float f) { *to = f; }
+#define ROWS(R) block(xt, w, K, ot, N, n0, n1, R)
 #endif
 
 /* Returns 0, or -1 when the rounded copy of x could not be allocated (nothing written). */
 int linear_bf16w_f32(const float *x, int64_t ldx, int64_t T, const uint16_t *w, int64_t N, int64_t K,
                      float *out, int threads) {
     const int64_t blocks = (N + NB - 1) / NB;
-#if DP
-    uint16_t *xb = malloc((size_t)(T * K) * sizeof(uint16_t));
-    if (!xb) return -1;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) {
-            const float f = round_bf16(x[t * ldx + k]);
-            uint32_t u;
-            memcpy(&u, &f, 4);
-            xb[t * K + k] = (uint16_t)(u >> 16);
-        }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
-        for (int64_t t0 = 0; t0 < T; t0 += TB) {
-            const uint16_t *xt = xb + t0 * K;
-            float *ot = out + t0 * N;
-            switch (T - t0 < TB ? T - t0 : TB) {
-            case 1: rows_dp(xt, w, K, ot, N, n0, n1, 1); break;
-            case 2: rows_dp(xt, w, K, ot, N, n0, n1, 2); break;
-            case 3: rows_dp(xt, w, K, ot, N, n0, n1, 3); break;
-            case 4: rows_dp(xt, w, K, ot, N, n0, n1, 4); break;
-            case 5: rows_dp(xt, w, K, ot, N, n0, n1, 5); break;
-            case 6: rows_dp(xt, w, K, ot, N, n0, n1, 6); break;
-            case 7: rows_dp(xt, w, K, ot, N, n0, n1, 7); break;
-            default: rows_dp(xt, w, K, ot, N, n0, n1, TB); break;
-            }
-        }
-    }
-    free(xb);
-#else
-    float *xr = malloc((size_t)(T * K) * sizeof(float));
+    xtype *xr = malloc((size_t)(T * K) * sizeof(xtype));
     if (!xr) return -1;
-    for (int64_t t = 0; t < T; t++) {
-#pragma omp simd
-        for (int64_t k = 0; k < K; k++) xr[t * K + k] = round_bf16(x[t * ldx + k]);
-    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) put_x(xr + t * K + k, round_bf16(x[t * ldx + k]));
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
         for (int64_t t0 = 0; t0 < T; t0 += TB) {
-            const float *xt = xr + t0 * K;
+            const xtype *xt = xr + t0 * K;
             float *ot = out + t0 * N;
             switch (T - t0 < TB ? T - t0 : TB) {
-            case 1: block(xt, w, K, ot, N, n0, n1, 1); break;
-            case 2: block(xt, w, K, ot, N, n0, n1, 2); break;
-            case 3: block(xt, w, K, ot, N, n0, n1, 3); break;
-            case 4: block(xt, w, K, ot, N, n0, n1, 4); break;
-            case 5: block(xt, w, K, ot, N, n0, n1, 5); break;
-            case 6: block(xt, w, K, ot, N, n0, n1, 6); break;
-            case 7: block(xt, w, K, ot, N, n0, n1, 7); break;
-            default: block(xt, w, K, ot, N, n0, n1, TB); break;
+            case 1: ROWS(1); break;
+            case 2: ROWS(2); break;
+            case 3: ROWS(3); break;
+            case 4: ROWS(4); break;
+            case 5: ROWS(5); break;
+            case 6: ROWS(6); break;
+            case 7: ROWS(7); break;
+            default: ROWS(TB); break;
             }
         }
     }
     free(xr);
-#endif
     return 0;
 }
