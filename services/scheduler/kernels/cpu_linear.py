@@ -15,9 +15,9 @@ attention and the KV cache keep the float32 C kernels (see ModelRunner for the s
 
 oneDNN's bf16 GEMM costs several times what reading the weights does at a handful of rows (a Xeon
 with AMX, SmolLM2-135M's linears at batch 1: 32.6 ms a step against 17.6 for the native kernel of
-csrc/linear.c, which reads the plain bf16 weight once and dots it with every row; 1.1-3.2x per shape,
-even at 4 rows, behind at 16). So with the native kernels, fewer than BF16_SMALL_T rows go there. Its
-output is the float32 sum, where oneDNN's is rounded to bf16.
+csrc/linear.c, which reads the plain bf16 weight once and dots it with every row; per shape 1.1-3.2x
+at 1-2 rows, 0.8-1.6x at 4, 0.6-1.5x at 8, behind from 16). So with the native kernels, fewer than
+BF16_SMALL_T rows go there. Its output is the float32 sum, where oneDNN's is rounded to bf16.
 
 The packed op is the one torch's inductor uses for frozen CPU linears
 (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise); when it is missing or misbehaves,
