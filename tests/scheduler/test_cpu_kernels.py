@@ -352,13 +352,15 @@ def widened(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return half, half.float()
 
 
-@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 3, 64), (1, 4, 128), (1, 12, 32)])
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 3, 64), (1, 6, 64), (1, 4, 128), (1, 12, 32)])
 @pytest.mark.parametrize("window", [0, 9])
 def test_decode_over_bf16_kv_is_the_float32_kernel_on_the_rounded_keys(kernel, threads: int, heads: int,
                                                                        group: int, dim: int, window: int) -> None:
     """bf16 dense rows, shared prefixes and pool: the step's new K/V are stored rounded to nearest even
     (torch's own conversion, bit for bit), and the attention equals the float32 kernel's over the same
-    values widened to float32."""
+    values widened to float32. With AVX-512 the bf16 reads take the intrinsics (32 keys a load; a row's
+    last block masked where it ends past the buffer; 64 or 32 keys a block by the group), the float32
+    ones the portable loops: these shapes cover both block widths and the fallback (group 12)."""
     torch.manual_seed(heads * 100 + group * 10 + dim + window)
     b, l_cap, p_cap, slots = 4, 80, 48, 30
     lens = torch.tensor([70, 3, 45, 60], dtype=torch.int64)

@@ -36,8 +36,8 @@
  * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * (max(G, XQ) + 2 D) * Lcap for
  * extend.
  * kv_bf16 (all three entry points): the KV buffers (kt, v, pk, pv, pool_k, pool_v) hold bfloat16, which the
- * kernels widen to float32 as they load (a 16-bit shift: any x86-64 vector unit does it) and round to
- * nearest even as `put` stores. A decode step's attention reads every key of the batch once and waits on
+ * kernels widen to float32 as they load (a 16-bit shift: any x86-64 vector unit does it; with AVX-512,
+ * 32 at a time: scores_x16, weigh_x16) and round to nearest even as `put` stores. A decode step's attention reads every key of the batch once and waits on
  * memory, so half the bytes is about half its time; arithmetic stays float32 throughout.
  * All int64 except `threads` and `kv_bf16`; all arrays contiguous.
  */
@@ -75,6 +75,116 @@ static inline __attribute__((always_inline)) void st(void *restrict p, int64_t i
 /* The address of element i of a KV buffer. */
 #define KV_AT(p, i, BF) ((void *)((char *)(p) + (int64_t)(i) * ((BF) ? 2 : 4)))
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) /* every AVX-512 CPU but the Xeon Phi */
+#define X16 1
+#include <immintrin.h>
+/* bf16 K^T and V rows 32 elements per 512-bit load: shifting each 32-bit lane left by 16 gives the even
+ * elements as float32, clearing its low half the odd ones, two instructions where the compiler's
+ * widening took four and an extract per 32. The sums are kept even/odd apart and interleaved once per
+ * block of keys (scores) or per call (weigh); each sum sees the same products in the same order as the
+ * portable loops do. */
+static inline __attribute__((always_inline)) __m512 bf_even(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+static inline __attribute__((always_inline)) __m512 bf_odd(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* Lanes 0..15 (lo) and 16..31 (hi) of the interleave of e (even elements) and o (odd ones), and back. */
+#define X16_LO _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+#define X16_HI _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8)
+#define X16_EV _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0)
+#define X16_OD _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1)
+#define X16_SCORES(G) ((G) <= 8)                          /* 2 * G or 4 * G accumulators of 32 */
+#define X16_WEIGH(G, D) ((D) % 32 == 0 && (G) * (D) <= 384) /* G * D / 16 accumulators, at most 24 */
+
+/* `scores` for bf16 K^T; a last block that would read past `cap` loads only its keys. */
+static inline __attribute__((always_inline)) void scores_x16(const float *restrict qb, const uint16_t *restrict kb,
+                                                             int64_t off, int64_t n_keys, int64_t cap,
+                                                             float *restrict s, int64_t S, float scale,
+                                                             const int64_t G, const int64_t D,
+                                                             const uint16_t *restrict pf) {
+    const int64_t NV = G > 4 ? 1 : 2, W = 32 * NV;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
+        const int64_t left = off + l0 + W <= cap ? W : n_keys - l0; /* keys this block may load */
+        __mmask32 m[2];
+        for (int64_t v = 0; v < NV; v++) {
+            const int64_t k = left - 32 * v < 0 ? 0 : left - 32 * v > 32 ? 32 : left - 32 * v;
+            m[v] = (__mmask32)(k == 32 ? 0xffffffffu : (1u << k) - 1u);
+        }
+        __m512 ae[8][2], ao[8][2];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t v = 0; v < NV; v++) ae[g][v] = ao[g][v] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const uint16_t *row = kb + d * cap + off + l0;
+            if (pf)
+                for (int64_t c = 0; c < W; c += 32) __builtin_prefetch(pf + d * cap + off + l0 + c, 0, 3);
+            __m512 e[2], o[2];
+            for (int64_t v = 0; v < NV; v++) {
+                const __m512i r = _mm512_maskz_loadu_epi16(m[v], row + 32 * v);
+                e[v] = bf_even(r);
+                o[v] = bf_odd(r);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 qd = _mm512_set1_ps(qb[g * D + d]);
+                for (int64_t v = 0; v < NV; v++) {
+                    ae[g][v] = _mm512_fmadd_ps(qd, e[v], ae[g][v]);
+                    ao[g][v] = _mm512_fmadd_ps(qd, o[v], ao[g][v]);
+                }
+            }
+        }
+        const int64_t n = n_keys - l0 < W ? n_keys - l0 : W;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t v = 0; v < NV; v++) {
+                const __m512 a = _mm512_mul_ps(ae[g][v], sc), b = _mm512_mul_ps(ao[g][v], sc);
+                for (int64_t half = 0; half < 2; half++) {
+                    const int64_t first = 32 * v + 16 * half, cnt = n - first < 0 ? 0 : n - first > 16 ? 16 : n - first;
+                    const __m512 x = _mm512_permutex2var_ps(a, half ? X16_HI : X16_LO, b);
+                    _mm512_mask_storeu_ps(s + g * S + l0 + first, (__mmask16)((1u << cnt) - 1u), x);
+                }
+            }
+    }
+}
+
+/* `weigh` for a bf16 V: acc[g] += sum_l p[g * S + l] V[off + l], D / 32 loads a key. */
+static inline __attribute__((always_inline)) void weigh_x16(float acc[GMAX][DMAX], const float *restrict p, int64_t S,
+                                                             const uint16_t *restrict vb, int64_t off, int64_t n,
+                                                             const int64_t G, const int64_t D,
+                                                             const uint16_t *restrict pf) {
+    const int64_t NV = D / 32;
+    __m512 ae[12], ao[12]; /* [g * NV + v] (G * NV <= 12): elements 32 v + 2 i (ae), 32 v + 2 i + 1 (ao) of acc[g] */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t v = 0; v < NV; v++) {
+            const __m512 a = _mm512_loadu_ps(acc[g] + 32 * v), b = _mm512_loadu_ps(acc[g] + 32 * v + 16);
+            ae[g * NV + v] = _mm512_permutex2var_ps(a, X16_EV, b);
+            ao[g * NV + v] = _mm512_permutex2var_ps(a, X16_OD, b);
+        }
+    for (int64_t l = 0; l < n; l++) {
+        const uint16_t *row = vb + (off + l) * D;
+        if (pf)
+            for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(pf + l * D + c, 0, 3);
+        __m512 e[8], o[8];
+        for (int64_t v = 0; v < NV; v++) {
+            const __m512i r = _mm512_loadu_si512(row + 32 * v);
+            e[v] = bf_even(r);
+            o[v] = bf_odd(r);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 pg = _mm512_set1_ps(p[g * S + l]);
+            for (int64_t v = 0; v < NV; v++) {
+                ae[g * NV + v] = _mm512_fmadd_ps(pg, e[v], ae[g * NV + v]);
+                ao[g * NV + v] = _mm512_fmadd_ps(pg, o[v], ao[g * NV + v]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t v = 0; v < NV; v++) {
+            _mm512_storeu_ps(acc[g] + 32 * v, _mm512_permutex2var_ps(ae[g * NV + v], X16_LO, ao[g * NV + v]));
+            _mm512_storeu_ps(acc[g] + 32 * v + 16, _mm512_permutex2var_ps(ae[g * NV + v], X16_HI, ao[g * NV + v]));
+        }
+}
+#endif
+
 /* s[g * S + l] = scale * q[g] . K[off + l] for l in [0, n); K^T rows of `cap` positions. Keys go 64 at a
  * time, 32 with more than 4 query rows, so the accumulators (rows x keys) stay in the registers.
  * pf (or NULL): another K^T of the same shape to prefetch, block by block, as this one is read. */
@@ -84,6 +194,12 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
                                                           const int64_t G, const int64_t D,
                                                           const void *restrict pf, const int BF) {
     const int64_t W = G > 4 ? BL / 2 : BL, line = BF ? 32 : 16; /* elements per 64-byte cache line */
+#ifdef X16
+    if (BF && X16_SCORES(G)) {
+        scores_x16(qb, kb, off, n_keys, cap, s, S, scale, G, D, pf);
+        return;
+    }
+#endif
     for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
         float acc[GMAX][BL];
         for (int64_t g = 0; g < G; g++)
@@ -134,6 +250,12 @@ static inline __attribute__((always_inline)) void weigh(float acc[GMAX][DMAX], c
                                                          int64_t S, const void *restrict vb, int64_t off,
                                                          int64_t n, const int64_t G, const int64_t D,
                                                          const void *restrict pf, const int BF) {
+#ifdef X16
+    if (BF && X16_WEIGH(G, D)) {
+        weigh_x16(acc, p, S, vb, off, n, G, D, pf);
+        return;
+    }
+#endif
     const int64_t line = BF ? 32 : 16;
     for (int64_t l = 0; l < n; l++) {
         const int64_t at = (off + l) * D;
