@@ -75,6 +75,20 @@ def test_decode_reads_each_request_from_its_dense_row(kernel, threads: int) -> N
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_layout_visits_requests_that_share_a_prefix_one_after_another() -> None:
+    """Batch order interleaves prefixes (a benchmark shuffles its prompts); the kernel's order groups
+    them by entry, stable within one, rows without a prefix first."""
+    lens = torch.full((6,), 90, dtype=torch.int64)
+    entry = torch.tensor([1, 0, -1, 1, 0, 0], dtype=torch.int64)
+    plen = torch.tensor([70, 64, 0, 70, 64, 0], dtype=torch.int64)  # the last row: entry set, no prefix
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])
+    layout = cpu_kernels.decode_layout(lens, 96, rows.flip(0), entry=entry, plen=plen, p_cap=80, entries=2)
+    assert layout.order is not None
+    # batch b reads dense row 5 - b: entries by batch order are [-1, 0, 1, -1, 0, 1]
+    assert layout.order.tolist() == [0, 3, 1, 4, 2, 5]
+    assert cpu_kernels.decode_layout(lens, 96, rows).order is None  # no prefixes: batch order
+
+
 @pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 3, 64)])
 def test_decode_over_shared_prefixes_matches_whole_rows(kernel, threads: int, heads: int, group: int,
                                                         dim: int) -> None:

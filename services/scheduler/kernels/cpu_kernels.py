@@ -50,6 +50,11 @@ class DecodeLayout:
     plen: torch.Tensor | None = None     # [R]
     p_cap: int = 0                     # positions per shared prefix buffer
     entries: int = 0                   # shared prefix buffers in use
+    # [B] the order the kernel takes the requests in (None: batch order): with shared prefixes, by
+    # entry, so that the requests reading one prefix come one after another while it is in cache (a
+    # benchmark's shuffled prompts interleave them; 64 rows on 4 prefixes of 512 keys, 2 threads: see
+    # docs/internals.md)
+    order: torch.Tensor | None = None
 
 
 def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = None,
@@ -71,6 +76,10 @@ def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = No
         has = plen > 0
         assert bool(((entry >= 0) & (entry < entries))[has].all())
         own = lens - plen
+        key = torch.where(plen[rows] > 0, entry[rows], -1)
+        order = torch.sort(key, stable=True).indices
+    else:
+        order = None
     assert 1 <= int(own[rows].min()) and int(own[rows].max()) <= l_cap
     if new_pos is not None:
         assert new_pos.shape == rows.shape and 0 <= int(new_pos.min()) and int(new_pos.max()) < l_cap
@@ -79,7 +88,7 @@ def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = No
         assert loc.shape == rows.shape and 0 <= int(loc.min()) and int(loc.max()) < pool_size
         loc = loc.contiguous()
     return DecodeLayout(rows, lens, l_cap, new_pos, loc, entry, plen, p_cap if entry is not None else 0,
-                        entries)
+                        entries, order)
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,7 @@ class NativeKernels:
 
     def __init__(self, lib_path: Path) -> None:
         lib = ctypes.CDLL(str(lib_path))
-        self._decode = self._fn(lib.decode_attention_f32, ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I,
+        self._decode = self._fn(lib.decode_attention_f32, ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I,
                                                                          _I, _I, _I, _F, ctypes.c_int, _P, _P, _P,
                                                                          _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
                                                                          _P, ctypes.c_int])
@@ -202,8 +211,9 @@ class NativeKernels:
         out = q.new_empty(b, h, g, d)
         scratch, threads = self._scratch(g, layout.p_cap + layout.l_cap)
         if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
-                        layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d, layout.l_cap,
-                        scale, threads, *ptrs, layout.p_cap, window or 0, *store, _kv_bf16(kv_dtype)) != 0:
+                        _ptr(layout.order), layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d,
+                        layout.l_cap, scale, threads, *ptrs, layout.p_cap, window or 0, *store,
+                        _kv_bf16(kv_dtype)) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out

@@ -13,7 +13,9 @@
  * glibc's libmvec). Work is split over `threads` OpenMP threads (torch's own count; torch's CPU build
  * uses the same libgomp, so this shares its thread pool).
  *
- * decode_attention_f32: one query per request; request b's keys are in dense row r = rows[b] (rows ==
+ * decode_attention_f32: one query per request, visited in the order order[0..B) (NULL: batch order;
+ *   the wrapper puts requests that share a prefix next to each other, so that the prefix is still in
+ *   cache when the next one reads it); request b's keys are in dense row r = rows[b] (rows ==
  *   NULL: r = b): lens[r] keys, plen[r] of them from a shared prefix buffer (one copy for every row
  *   whose request shares that prompt prefix; entry == NULL: none), the rest from the row's own buffer,
  *   starting at its index 0. With the batch's keys far larger than the cache, the kernel waits on
@@ -375,7 +377,7 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
 #define DECODE_ROWS(GC, DC, BF)                                                                        \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
-        const int64_t b = bh / H, h = bh % H, r = rows ? rows[b] : b;                                  \
+        const int64_t i = bh / H, h = bh % H, b = order ? order[i] : i, r = rows ? rows[b] : b;        \
         if (kn)                                                                                        \
             put(kn + b * kn_stride + h * (DC), vn + b * vn_stride + h * (DC),                          \
                 KV_AT(kt, (r * H + h) * (DC) * Lcap, BF), KV_AT(v, (r * H + h) * Lcap * (DC), BF),     \
@@ -385,12 +387,13 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
         const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
         const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;                      \
         const int64_t poff = lo < pl ? lo : pl, off = lo > pl ? lo - pl : 0;                           \
-        const int64_t nb = bh + 1, nh = nb % H, nr = nb < B * H ? (rows ? rows[nb / H] : nb / H) : 0;  \
+        const int64_t nb = bh + 1, nh = nb % H, ni = nb < B * H ? nb / H : 0, nbb = order ? order[ni] : ni; \
+        const int64_t nr = rows ? rows[nbb] : nbb;                                                     \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
         head(q + b * q_stride + h * (GC) * (DC), KV_AT(pk, (e * H + h) * (DC) * Pcap, BF),             \
              KV_AT(pv, (e * H + h) * Pcap * (DC), BF), poff, pl - poff, Pcap,                          \
              KV_AT(kt, (r * H + h) * (DC) * Lcap, BF), KV_AT(v, (r * H + h) * Lcap * (DC), BF), off,    \
-             lens[r] - pl - off, Lcap, out + bh * (GC) * (DC), s, Pcap + Lcap, scale, (GC), (DC),       \
+             lens[r] - pl - off, Lcap, out + (b * H + h) * (GC) * (DC), s, Pcap + Lcap, scale, (GC), (DC),       \
              nb < B * H ? KV_AT(kt, (nr * H + nh) * (DC) * Lcap, BF) : NULL,                            \
              nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), BF) : NULL, BF);                        \
     }
@@ -398,7 +401,7 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
 #define DECODE_BF16(GC, DC) DECODE_ROWS(GC, DC, 1)
 
 int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, const int64_t *rows,
-                         const int64_t *lens, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
+                         const int64_t *order, const int64_t *lens, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
                          int64_t D, int64_t Lcap, float scale, int threads, const void *pk, const void *pv,
                          const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
