@@ -40,6 +40,9 @@ class EngineConfig:
         "run waiting prefills back to back while the running requests wait (SGLang's order); by default "
         "a decode step for the running requests follows every prefill step"))
     schedule_policy: str = field(default="fcfs", metadata=_h("fcfs or lpm (longest prefix match first)"))
+    schedule_conservativeness: float = field(default=1.0, metadata=_h(
+        "scales the estimate of how much of max_new_tokens running requests will use: below 1 admits more "
+        "requests at once (and retracts more often when they outgrow the KV pool), above 1 fewer"))
     max_queued_requests: int = field(default=4096, metadata=_h("most waiting requests before intake refuses"))
     context_length: int | None = field(default=None, metadata=_h("override the model's context length"))
     disable_cuda_graph: bool = field(default=False, metadata=_h("run decode eagerly on CUDA"))
@@ -97,6 +100,8 @@ class EngineConfig:
         for name in ("max_running_requests", "max_prefill_tokens", "max_queued_requests", "stream_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
+        if not self.schedule_conservativeness > 0:
+            raise ValueError("schedule_conservativeness: must be > 0")
         for name in ("num_threads", "decode_threads"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")

@@ -265,3 +265,30 @@ def test_a_decode_step_follows_each_prefill_step_while_requests_run(model_dir: s
     kinds_off, outs_off = run(False)
     assert kinds_off.startswith("PPPPD") and kinds_off.count("P") == 4
     assert outs == outs_off and all(len(ids) == 12 for ids in outs.values())
+
+
+def test_schedule_conservativeness_scales_what_a_prefill_admits(model_dir: str) -> None:
+    """SGLang's --schedule-conservativeness: below 1 the running requests are expected to use less of
+    max_new_tokens, so one prefill admits more of a burst, which then outgrows the pool and retracts;
+    the greedy tokens are the same either way."""
+    def run(conservativeness: float) -> tuple[int, int, dict[str, list[int]]]:
+        e = Engine(EngineConfig(model=model_dir, device="cpu", max_total_tokens=600,
+                                schedule_conservativeness=conservativeness))
+        params = greedy(max_new_tokens=100, ignore_eos=True)
+        for i in range(8):
+            e.submit(Req(rid=f"r{i}", origin_input_ids=rand_ids(20, 80 + i), params=params))
+        outs: dict[str, list[int]] = {}
+        for o in e.step():
+            outs.setdefault(o.rid, []).extend(o.ids)
+        admitted = len(e.scheduler.running)
+        while e.has_work():
+            for o in e.step():
+                outs.setdefault(o.rid, []).extend(o.ids)
+        return admitted, e.scheduler.stats.retractions, outs
+
+    admitted, _, outs = run(1.0)
+    eager, retractions, outs_eager = run(0.2)
+    assert admitted < eager == 8 and retractions > 0
+    assert outs == outs_eager and all(len(ids) == 100 for ids in outs.values())
+    with pytest.raises(ValueError, match="schedule_conservativeness"):
+        EngineConfig(model=model_dir, schedule_conservativeness=0)

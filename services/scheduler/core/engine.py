@@ -109,6 +109,7 @@ class Engine:
             chunked_prefill_size=self.chunked_prefill_size, stream_interval=cfg.stream_interval,
             grammar=self.grammar, mixed_chunk=cfg.enable_mixed_chunk,
             decode_interleave=not cfg.disable_decode_interleave,
+            schedule_conservativeness=cfg.schedule_conservativeness,
             max_loras_per_batch=self.lora.settings.max_loras_per_batch if self.lora is not None else 0)
         self.inbox = Inbox(cfg.max_queued_requests, self.max_prompt_tokens)
         overlap = (not cfg.disable_overlap_schedule if cfg.disable_overlap_schedule is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -38,7 +39,23 @@ CPU_CHUNK, CUDA_CHUNK = 2048, 8192
 # SGLang's defaults for the estimate of how many of max_new_tokens a request will really use.
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+@dataclass(frozen=True)
+class NewTokenRatio:
+    """The estimate's schedule: `init` after a retraction (and at start), falling by `decay` a decode
+    step to `floor`. SGLang's --schedule-conservativeness scales it: below 1 admits more requests at
+    once and retracts more often, above 1 the reverse."""
+    init: float
+    floor: float
+    decay: float
+
+    @classmethod
+    def scaled(cls, conservativeness: float = 1.0) -> NewTokenRatio:
+        init = min(INIT_NEW_TOKEN_RATIO * conservativeness, 1.0)
+        floor = min(MIN_NEW_TOKEN_RATIO * conservativeness, init)
+        return cls(init, floor, (init - floor) / NEW_TOKEN_RATIO_DECAY_STEPS)
 
 
 def default_chunk_size(configured: int | None, device: torch.device) -> int:

@@ -31,9 +31,7 @@ from services.scheduler.core.decode import RunningBatch
 from services.scheduler.core.finish import FinishChecker
 from services.scheduler.core.outputs import make_output
 from services.scheduler.core.prefill import (
-    INIT_NEW_TOKEN_RATIO,
-    MIN_NEW_TOKEN_RATIO,
-    NEW_TOKEN_RATIO_DECAY,
+    NewTokenRatio,
     PrefillAdder,
     order_waiting,
 )
@@ -89,7 +87,8 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, kv: KVManager, finisher: FinishChecker, *, schedule_policy: str,
                  max_running_requests: int, max_prefill_tokens: int, chunked_prefill_size: int,
                  stream_interval: int = 1, grammar: GrammarGlue | None = None, mixed_chunk: bool = False,
-                 decode_interleave: bool = True, max_loras_per_batch: int = 0) -> None:
+                 decode_interleave: bool = True, max_loras_per_batch: int = 0,
+                 schedule_conservativeness: float = 1.0) -> None:
         self.runner = runner
         self.kv = kv
         self.finisher = finisher
@@ -109,7 +108,8 @@ class Scheduler:
         # Constrained requests wait in the grammar queue, not in waiting, until their matcher is ready.
         self.grammar = grammar if grammar is not None else GrammarGlue(None, None)
         self.recent: deque[tuple[float, Req]] = deque(maxlen=RECENT_FINISHED_MAX)
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.ratio = NewTokenRatio.scaled(schedule_conservativeness)
+        self.new_token_ratio = self.ratio.init
         self.stats = SchedulerStats()
         self._emit: list[TokenDelta] = []
         self.logit_bias = LogitBias()  # the batches' bias tensors, rebuilt only when their biased rows change
@@ -212,7 +212,7 @@ class Scheduler:
         if retracted:
             self.stats.retractions += len(retracted)
             self.waiting.extendleft(reversed(retracted))  # first in line
-            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            self.new_token_ratio = self.ratio.init
         slots = self.kv.alloc(len(self.running))
         if slots is None and self.chunked is not None:
             # The mid-prefill request holds the last free KV: send it back to recompute later.
@@ -222,7 +222,7 @@ class Scheduler:
             req = self.running.reqs.pop()
             self.finish(req, Finish("length"))
             return self.schedule_decode()
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = max(self.ratio.floor, self.new_token_ratio - self.ratio.decay)
         self.stats.decode_steps += 1
         fb = self.running.forward_batch(slots, self.kv.req_pool.req_to_token, self.device)
         fb.lora_ids = lora_ids(self.running.reqs)
