@@ -39,8 +39,9 @@
  * extend.
  * kv_bf16 (all three entry points): the KV buffers (kt, v, pk, pv, pool_k, pool_v) hold bfloat16, which the
  * kernels widen to float32 as they load (a 16-bit shift: any x86-64 vector unit does it; with AVX-512,
- * 32 at a time: scores_x16, weigh_x16) and round to nearest even as `put` stores. A decode step's attention reads every key of the batch once and waits on
- * memory, so half the bytes is about half its time; arithmetic stays float32 throughout.
+ * 32 at a time: scores_x16, weigh_x16) and round to nearest even as `put` stores. A decode step's
+ * attention reads every key of the batch once and waits on memory, so half the bytes is about half its
+ * time; arithmetic stays float32 throughout.
  * All int64 except `threads` and `kv_bf16`; all arrays contiguous.
  */
 #include <math.h>
@@ -387,13 +388,14 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
         const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
         const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;                      \
         const int64_t poff = lo < pl ? lo : pl, off = lo > pl ? lo - pl : 0;                           \
-        const int64_t nb = bh + 1, nh = nb % H, ni = nb < B * H ? nb / H : 0, nbb = order ? order[ni] : ni; \
-        const int64_t nr = rows ? rows[nbb] : nbb;                                                     \
+        const int64_t nb = bh + 1, nh = nb % H, ni = nb < B * H ? nb / H : 0;                         \
+        const int64_t nbb = order ? order[ni] : ni, nr = rows ? rows[nbb] : nbb;                       \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
         head(q + b * q_stride + h * (GC) * (DC), KV_AT(pk, (e * H + h) * (DC) * Pcap, BF),             \
              KV_AT(pv, (e * H + h) * Pcap * (DC), BF), poff, pl - poff, Pcap,                          \
              KV_AT(kt, (r * H + h) * (DC) * Lcap, BF), KV_AT(v, (r * H + h) * Lcap * (DC), BF), off,    \
-             lens[r] - pl - off, Lcap, out + (b * H + h) * (GC) * (DC), s, Pcap + Lcap, scale, (GC), (DC),       \
+             lens[r] - pl - off, Lcap, out + (b * H + h) * (GC) * (DC), s, Pcap + Lcap, scale, (GC),    \
+             (DC),                                                                                     \
              nb < B * H ? KV_AT(kt, (nr * H + nh) * (DC) * Lcap, BF) : NULL,                            \
              nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), BF) : NULL, BF);                        \
     }
@@ -401,9 +403,9 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
 #define DECODE_BF16(GC, DC) DECODE_ROWS(GC, DC, 1)
 
 int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, const int64_t *rows,
-                         const int64_t *order, const int64_t *lens, float *out, float *scratch, int64_t B, int64_t H, int64_t G,
-                         int64_t D, int64_t Lcap, float scale, int threads, const void *pk, const void *pv,
-                         const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
+                         const int64_t *order, const int64_t *lens, float *out, float *scratch, int64_t B,
+                         int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads, const void *pk,
+                         const void *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
                          const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv_bf16) {
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
