@@ -457,6 +457,39 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(kernel, threads: int, ro
                                F.rms_norm(summed, (n,), weight, eps), rtol=2e-6, atol=2e-6)
 
 
+SPECIALS = [float("nan"), float("inf"), -float("inf"), 1e-40, -0.0, 3.0000002, 65504.5, 1.00390625]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_bf16_sides_of_the_gate_and_the_norm_are_torch_conversions(kernel, threads: int, rows: int) -> None:
+    """Reading a bf16 GEMM output and writing a bf16 GEMM input: the same bits as .float() before and
+    .to(torch.bfloat16) after the float32 kernel (round to nearest even, NaN stays NaN)."""
+    torch.manual_seed(rows)
+    n, inter = 256, 96
+    gate_up = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    gate_up[0, :len(SPECIALS)] = torch.tensor(SPECIALS)
+    plain = kernel.silu_mul(gate_up.float())
+    for out in (torch.float32, torch.bfloat16):
+        assert same_bits(kernel.silu_mul(gate_up, out), plain.to(out))
+    assert same_bits(kernel.silu_mul(gate_up.float(), torch.bfloat16), plain.bfloat16())
+    x = torch.randn(rows, n) * 3
+    delta = (torch.randn(rows, n + 64)[:, :n] * 2).bfloat16()  # strided, as a fused output's slice is
+    weight = torch.randn(n)
+    x_want = x.clone()
+    want = kernel.add_rms_norm(x_want, delta.float(), weight, 1e-6).bfloat16()
+    got = kernel.add_rms_norm(x, delta, weight, 1e-6, torch.bfloat16)
+    assert torch.equal(x, x_want) and same_bits(got, want)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtypes, NaN where the other is NaN (torch's own conversions disagree on its bits), and
+    equal bits everywhere else (-0.0 apart from 0.0, which torch.equal does not tell)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    nan = a.isnan()
+    return (a.dtype == b.dtype and torch.equal(nan, b.isnan())
+            and torch.equal(a.view(ints[a.dtype])[~nan], b.view(ints[b.dtype])[~nan]))
+
+
 def test_argmax_picks_what_torch_picks(kernel) -> None:
     torch.manual_seed(11)
     logits = torch.randn(6, 4096)

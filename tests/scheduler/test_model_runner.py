@@ -289,6 +289,43 @@ def test_bf16_on_cpu_is_bf16_linears_around_float32(model_dir: str) -> None:
     assert r.dtype_label() == "bfloat16 linears and KV, float32 activations"
 
 
+def test_bf16_edges_change_no_bit_of_the_logits(model_dir: str) -> None:
+    """With bf16 linears the norms and the SiLU gate write their GEMM's bf16 input and gate_up, o_proj
+    and down hand over their bf16 output: the same logits, bit for bit, as widening and rounding around
+    every GEMM, in prefill (packed GEMMs), at 10 rows (packed) and at 2 (the native small-batch path)."""
+    from services.scheduler.kernels import cpu_linear
+    from services.scheduler.models.llama import LlamaMLP, RMSNorm
+
+    if not cpu_linear.supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear in this torch")
+    runners = [ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=1024, max_running_requests=16)
+               for _ in range(2)]
+    if runners[0].native is None:
+        pytest.skip("no C compiler: the edges are the C kernels'")
+    edged = [m for m in runners[0].model.modules() if isinstance(m, cpu_linear.PackedLinear) and m.out_bf16]
+    layers = len(runners[0].model.layers)
+    assert len(edged) == 3 * layers  # gate_up, o_proj and down of every layer
+    # The norms know their linear's input dtype, not the linear: no module is registered twice.
+    assert not [n for n, _ in runners[0].model.named_parameters() if "norm." in n and "_proj" in n]
+    for m in runners[1].model.modules():  # the second converts around every GEMM, as before the edges
+        if isinstance(m, cpu_linear.PackedLinear):
+            m.out_bf16 = False
+        if isinstance(m, RMSNorm):
+            m.out_dtype = None
+        if isinstance(m, LlamaMLP):
+            m.down_dtype = None
+    got: list[list[torch.Tensor]] = [[], []]
+    for out, r in zip(got, runners):
+        seqs = [Seq(r, [(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)]) for i in range(10)]
+        out.append(r.forward(make_batch(seqs, ForwardMode.EXTEND, [len(s.ids) for s in seqs])))
+        for step, rows in enumerate((10, 10, 2)):
+            for s in seqs[:rows]:
+                s.ids.append(int(out[-1][seqs.index(s)].argmax()) if step == 0 else 11 + step)
+            out.append(r.forward(make_batch(seqs[:rows], ForwardMode.DECODE, [1] * rows)))
+    for a, b in zip(*got):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
 def test_bf16_prefill_of_fresh_prompts_attends_in_bf16_and_agrees_with_the_c_kernel(model_dir: str) -> None:
     """Under bf16 linears an EXTEND whose requests have nothing cached runs flash attention in bf16 per
     request; one with a cached prefix keeps the C kernel. Both compute causal attention over the same

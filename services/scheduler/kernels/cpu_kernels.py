@@ -24,6 +24,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an extend block scores at once
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read and write as KV
+ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the SiLU gate's and the norm's GEMM-side tensors
 
 
 def kernel_supports(group: int, head_dim: int) -> bool:
@@ -131,9 +132,10 @@ def _kv_bf16(dtype: torch.dtype) -> int:
     return int(dtype == torch.bfloat16)
 
 
-def _rows_of_heads(x: torch.Tensor) -> None:
-    """x: [B, ...]: each row's trailing dims contiguous, rows at any stride (no tensor op: per layer)."""
-    assert x.dtype == torch.float32 and x.device.type == "cpu"
+def _rows_of_heads(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+    """x: [B, ...] in one of `dtypes`: each row's trailing dims contiguous, rows at any stride (no
+    tensor op: per layer)."""
+    assert x.dtype in dtypes and x.device.type == "cpu"
     step = 1
     for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
         assert size == 1 or stride == step
@@ -156,8 +158,9 @@ class NativeKernels:
         self._fill = self._fn(lib.fill_rows_f32, None, [_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, ctypes.c_int,
                                                         ctypes.c_int])
         self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
-        self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int])
-        self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int])
+        self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int])
+        self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int,
+                                                               ctypes.c_int, ctypes.c_int])
         self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
         self._moe_gemm = self._fn(lib.moe_gemm_f32, None, [_P, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int])
         self._linear_bf16 = self._fn(lib.linear_bf16w_f32, ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int])
@@ -301,28 +304,34 @@ class NativeKernels:
             raise MemoryError(f"linear_bf16w: {t} x {k} floats for the rounded input")
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: [T, 2 I] float32 contiguous -> silu(gate) * up, [T, I]."""
+    def silu_mul(self, gate_up: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """gate_up: [T, 2 I] float32 or bfloat16 -> silu(gate) * up, [T, I] in `out_dtype` (float32 or
+        bfloat16, rounded as .to() rounds); the arithmetic is float32 either way."""
         t, two_i = gate_up.shape
-        assert gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and two_i % 2 == 0
+        assert gate_up.dtype in ELEMENTWISE_DTYPES and out_dtype in ELEMENTWISE_DTYPES
+        assert gate_up.device.type == "cpu" and two_i % 2 == 0
         gate_up = gate_up.contiguous()
-        out = gate_up.new_empty(t, two_i // 2)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+        out = gate_up.new_empty(t, two_i // 2, dtype=out_dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads(),
+                       int(gate_up.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
         return out
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-        """x += delta (in place; None: no add), then RMSNorm(x) * weight as a new [T, N] tensor.
-        x, delta: [T, N] float32, rows at any stride; weight: [N] contiguous."""
+                     eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x += delta (in place; None: no add), then RMSNorm(x) * weight as a new [T, N] tensor in
+        `out_dtype` (float32 or bfloat16, rounded as .to() rounds). x: [T, N] float32, delta: [T, N]
+        float32 or bfloat16, rows at any stride; weight: [N] float32 contiguous."""
         t, n = x.shape
         _rows_of_heads(x)
         if delta is not None:
-            _rows_of_heads(delta)
+            _rows_of_heads(delta, ELEMENTWISE_DTYPES)
             assert delta.shape == x.shape
         assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (n,)
-        out = x.new_empty(t, n)
+        assert out_dtype in ELEMENTWISE_DTYPES
+        out = x.new_empty(t, n, dtype=out_dtype)
         self._add_norm(x.data_ptr(), x.stride(0), _ptr(delta), 0 if delta is None else delta.stride(0),
-                       out.data_ptr(), weight.data_ptr(), t, n, eps, torch.get_num_threads())
+                       out.data_ptr(), weight.data_ptr(), t, n, eps, torch.get_num_threads(),
+                       int(delta is not None and delta.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
         return out
 
     def argmax(self, logits: torch.Tensor) -> list[int]:

@@ -11,7 +11,9 @@ bf16 with float32 accumulation, which CPUs with AVX512-BF16 or AMX do natively (
 shapes at batch 64 on the EPYC: 360-410 GFLOP/s against 195 packed float32; at batch 1, where reading
 the weights is the cost, 35-50 against 23-33). The activations around each GEMM stay float32: the
 input is rounded to bf16 on the way in and the output widened on the way out, so norms, rotary,
-attention and the KV cache keep the float32 C kernels (see ModelRunner for the split).
+attention and the KV cache keep the float32 C kernels (see ModelRunner for the split). Where a C
+kernel sits on either side (the norms, the SiLU gate, the residual add) it does the rounding and the
+widening itself: `input_dtype` tells it what to write, `out_bf16` leaves the output to it.
 
 oneDNN's bf16 GEMM costs several times what reading the weights does at a handful of rows (a Xeon
 with AMX, SmolLM2-135M's linears at batch 1: 32.6 ms a step against 17.6 for the native kernel of
@@ -81,21 +83,34 @@ class PackedLinear(nn.Module):
         else:
             self.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
         self.bias = bias
+        # bf16 weights: return the GEMM's bf16 output as is, for a consumer that reads bf16 (the
+        # native SiLU gate or residual add); it holds the same values as the widened float32.
+        self.out_bf16 = False
         self.packed = _pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype == w.dtype:
+        if w.dtype == torch.float32:
             if x.shape[0] < SMALL_T:
                 return F.linear(x, w, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # bf16 weights under float32 activations: a bf16 GEMM (float32 accumulation) on the rounded
-        # input, widened back; the bias stays float32, added after.
+        # input (x float32, or already bf16 from a kernel that rounded it: input_dtype), widened back
+        # unless `out_bf16`; the bias stays float32, added after.
         if self.native is not None and x.shape[0] < BF16_SMALL_T and x.stride(-1) == 1:
-            y = self.native.linear_bf16w(x, w)
+            y = self.native.linear_bf16w(x.float(), w)  # the float32 sum
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), self.packed, None, "none", [], "").to(x.dtype)
+            y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), self.packed, None, "none", [], "")
+            if not self.out_bf16:
+                y = y.float()
         return y if self.bias is None else y.add_(self.bias)
+
+    def input_dtype(self, rows: int) -> torch.dtype:
+        """The dtype the GEMM reads for `rows` rows: bf16 where the packed bf16 GEMM takes them, so a
+        kernel writing this layer's input can round it itself (the same bits as the .to() here)."""
+        if self.weight.dtype == torch.bfloat16 and not (self.native is not None and rows < BF16_SMALL_T):
+            return torch.bfloat16
+        return torch.float32
 
     def repack(self) -> None:
         """Re-pack after the weight (or the tied source) changed in place."""

@@ -99,6 +99,10 @@ class ModelRunner:
                     self.context_length, self.dtype_label(), self.device)
 
         self.model = self._load_model(path)
+        if lora is None and self.linear_dtype == torch.bfloat16 and self.native is not None:
+            # LoRA's hooks read the linears' float32 input and add into their float32 output.
+            logger.info("bf16 linears: %d hand their output to the C kernels unwidened",
+                        self.model.use_bf16_edges())
         self.weights_bytes = _weights_bytes(self.model)
         logger.info("weights loaded in %.1fs", time.monotonic() - t0)
         # After packing: the wrappers call whatever linear the CPU path left in place.

@@ -10,6 +10,7 @@ Other families reuse these blocks (gemma3.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.kernels.cpu_kernels import NativeKernels
+from services.scheduler.kernels.cpu_linear import PackedLinear
 from services.scheduler.models.rotary import RotaryEmbedding, Rotation
 
 # model_type values whose attention has q/k/v bias (Qwen2's) or per-head q/k RMSNorm (Qwen3's).
@@ -30,15 +32,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.native: NativeKernels | None = None  # CPU float32: the residual add and the norm in one pass
+        # With bf16 edges: the dtype the linear reading the output takes for T rows (its bound
+        # input_dtype: a method, so that the linear is not registered as this norm's submodule).
+        self.out_dtype: Callable[[int], torch.dtype] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + delta), x + delta); the native kernel adds into x in place (x: the residual stream,
-        which nothing else holds). delta None: no add."""
+        which nothing else holds). delta None: no add. The native kernel writes the output in the
+        dtype its linear reads (`out_dtype`)."""
         if self.native is not None:
-            return self.native.add_rms_norm(x, delta, self.weight, self.eps), x
+            out = torch.float32 if self.out_dtype is None else self.out_dtype(x.shape[0])
+            return self.native.add_rms_norm(x, delta, self.weight, self.eps, out), x
         if delta is not None:
             x = x + delta
         return self(x), x
@@ -95,13 +102,15 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.inter = intermediate_size or config.intermediate_size
         self.native: NativeKernels | None = None  # CPU float32: silu(gate) * up in one pass
+        self.down_dtype: Callable[[int], torch.dtype] | None = None  # with bf16 edges: down's input_dtype
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
         if self.native is not None:
-            return self.down_proj(self.native.silu_mul(gate_up))
+            out = torch.float32 if self.down_dtype is None else self.down_dtype(x.shape[0])
+            return self.down_proj(self.native.silu_mul(gate_up, out))
         return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:])
 
 
@@ -170,6 +179,39 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 # LlamaMLP or an MoE block: each has `native`
                 cast(LlamaMLP, cast(LlamaDecoderLayer, layer).mlp).native = kernels
+
+    def use_bf16_edges(self) -> int:
+        """After the linears were packed with bf16 weights (and no LoRA hooks on them): the native norms
+        and SiLU gate write their linear's bf16 input, and the linears whose output only they read
+        (gate_up, o_proj, down) leave it in bf16. The same bits as widening and rounding around every
+        GEMM (oneDNN's output is bf16 either way), without those passes. Only where this class's
+        own blocks run, with the C kernels and bias-free bf16 linears; returns how many linears
+        hand over bf16 output."""
+        def hand_over(m: nn.Module) -> int:
+            if isinstance(m, PackedLinear) and m.weight.dtype == torch.bfloat16 and m.bias is None:
+                m.out_bf16 = True
+                return 1
+            return 0
+
+        edges = 0
+        for layer in self.layers:
+            if type(layer) is not LlamaDecoderLayer or layer.input_layernorm.native is None:
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            if isinstance(attn.qkv_proj, PackedLinear):
+                layer.input_layernorm.out_dtype = attn.qkv_proj.input_dtype
+            edges += hand_over(attn.o_proj)  # read by post_attention_layernorm's residual add only
+            if type(mlp) is LlamaMLP and mlp.native is not None:
+                if isinstance(mlp.gate_up_proj, PackedLinear):
+                    layer.post_attention_layernorm.out_dtype = mlp.gate_up_proj.input_dtype
+                if isinstance(mlp.down_proj, PackedLinear):
+                    mlp.down_dtype = mlp.down_proj.input_dtype
+                # read by the SiLU gate, and by the next residual add (a norm's add_norm)
+                edges += hand_over(mlp.gate_up_proj) + hand_over(mlp.down_proj)
+        llama = all(type(layer) is LlamaDecoderLayer for layer in self.layers)
+        if llama and self.norm.native is not None and isinstance(self.lm_head, PackedLinear):
+            self.norm.out_dtype = self.lm_head.input_dtype  # the logits: this class's forward, not a subclass's
+        return edges
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
                 last_index: torch.Tensor | None) -> torch.Tensor:
