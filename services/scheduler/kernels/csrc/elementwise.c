@@ -68,34 +68,32 @@ void rope_f32(float *x, const int64_t *positions, const float *cos_t, const floa
 
 #define SILU_CHUNK 64
 
-/* One row in chunks widened into aligned float32 buffers (a short last chunk zero-padded), so every
- * element goes through the same vectorized expf whatever the dtypes and the row's alignment: a bf16
- * result is then exactly the rounded float32 one. */
+static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* One row: whole 64-element chunks straight from memory, a short tail through zero-padded aligned
+ * buffers, so that every element goes through the same vectorized expf whatever the dtypes (the
+ * compiler's scalar epilogue would differ from it by an ulp): a bf16 result is then exactly the
+ * rounded float32 one. */
 static inline void silu_mul_row(const void *restrict gate_up, void *restrict out, int64_t t, int64_t I,
                                 int in_bf, int out_bf) {
     const char *g = (const char *)gate_up + t * 2 * I * (in_bf ? 2 : 4);
     const char *u = g + I * (in_bf ? 2 : 4);
     char *o = (char *)out + t * I * (out_bf ? 2 : 4);
-    float gb[SILU_CHUNK] __attribute__((aligned(64)));
-    float ub[SILU_CHUNK] __attribute__((aligned(64)));
-    for (int64_t c = 0; c < I; c += SILU_CHUNK) {
-        const int64_t n = I - c < SILU_CHUNK ? I - c : SILU_CHUNK;
-        if (n == SILU_CHUNK) {
-#pragma omp simd aligned(gb, ub : 64)
-            for (int64_t i = 0; i < SILU_CHUNK; i++) {
-                gb[i] = load_at(g, c + i, in_bf);
-                ub[i] = load_at(u, c + i, in_bf);
-            }
-        } else {
-            for (int64_t i = 0; i < SILU_CHUNK; i++) {
-                gb[i] = i < n ? load_at(g, c + i, in_bf) : 0.0f;
-                ub[i] = i < n ? load_at(u, c + i, in_bf) : 0.0f;
-            }
+    const int64_t whole = I - I % SILU_CHUNK;
+    for (int64_t c = 0; c < whole; c += SILU_CHUNK) {
+#pragma omp simd
+        for (int64_t i = c; i < c + SILU_CHUNK; i++) store_at(o, i, silu_times(load_at(g, i, in_bf), load_at(u, i, in_bf)), out_bf);
+    }
+    if (whole < I) {
+        float gb[SILU_CHUNK] __attribute__((aligned(64)));
+        float ub[SILU_CHUNK] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < SILU_CHUNK; i++) {
+            gb[i] = whole + i < I ? load_at(g, whole + i, in_bf) : 0.0f;
+            ub[i] = whole + i < I ? load_at(u, whole + i, in_bf) : 0.0f;
         }
 #pragma omp simd aligned(gb, ub : 64)
-        for (int64_t i = 0; i < SILU_CHUNK; i++) gb[i] = gb[i] / (1.0f + expf(-gb[i])) * ub[i];
-#pragma omp simd aligned(gb : 64)
-        for (int64_t i = 0; i < n; i++) store_at(o, c + i, gb[i], out_bf);
+        for (int64_t i = 0; i < SILU_CHUNK; i++) gb[i] = silu_times(gb[i], ub[i]);
+        for (int64_t i = whole; i < I; i++) store_at(o, i, gb[i - whole], out_bf);
     }
 }
 
