@@ -82,7 +82,8 @@ static inline void silu_mul_row(const void *restrict gate_up, void *restrict out
     const int64_t whole = I - I % SILU_CHUNK;
     for (int64_t c = 0; c < whole; c += SILU_CHUNK) {
 #pragma omp simd
-        for (int64_t i = c; i < c + SILU_CHUNK; i++) store_at(o, i, silu_times(load_at(g, i, in_bf), load_at(u, i, in_bf)), out_bf);
+        for (int64_t i = c; i < c + SILU_CHUNK; i++)
+            store_at(o, i, silu_times(load_at(g, i, in_bf), load_at(u, i, in_bf)), out_bf);
     }
     if (whole < I) {
         float gb[SILU_CHUNK] __attribute__((aligned(64)));
