@@ -86,6 +86,10 @@ class PackedLinear(nn.Module):
         # bf16 weights: return the GEMM's bf16 output as is, for a consumer that reads bf16 (the
         # native SiLU gate or residual add); it holds the same values as the widened float32.
         self.out_bf16 = False
+        # input_dtype's answer, fixed at load (it is asked per norm per layer per step): the packed bf16
+        # GEMM takes this many rows and more; None: it reads float32 input at every size.
+        self._bf16_from: int | None = (None if self.weight.dtype != torch.bfloat16 else
+                                       BF16_SMALL_T if self.native is not None else 0)
         self.packed = _pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,9 +112,7 @@ class PackedLinear(nn.Module):
     def input_dtype(self, rows: int) -> torch.dtype:
         """The dtype the GEMM reads for `rows` rows: bf16 where the packed bf16 GEMM takes them, so a
         kernel writing this layer's input can round it itself (the same bits as the .to() here)."""
-        if self.weight.dtype == torch.bfloat16 and not (self.native is not None and rows < BF16_SMALL_T):
-            return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if self._bf16_from is not None and rows >= self._bf16_from else torch.float32
 
     def repack(self) -> None:
         """Re-pack after the weight (or the tied source) changed in place."""
