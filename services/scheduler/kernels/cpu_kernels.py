@@ -25,6 +25,10 @@ EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an ex
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read and write as KV
 ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the SiLU gate's and the norm's GEMM-side tensors
+# decode_stack.c's per-layer columns (DS_*): the bf16 weights of qkv, o, gate_up and down, the two norms'
+# weights, the dense rows' K^T and V, the shared prefixes' K^T and V, the KV pool's K and V, the window.
+STACK_COLUMNS = ("qkv", "o", "gate_up", "down", "norm_in", "norm_post", "kt", "v", "prefix_k", "prefix_v",
+                 "pool_k", "pool_v", "window")
 
 
 def kernel_supports(group: int, head_dim: int) -> bool:
@@ -118,7 +122,7 @@ def extend_layout(slots: torch.Tensor, q_start: torch.Tensor, prefix: torch.Tens
     return ExtendLayout(slots, q_start, prefix, int(q_start[-1]), pool_size)
 
 
-def _check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int,
+def check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int,
               dtype: torch.dtype) -> None:
     for t in (kt_buf, v_buf):
         assert t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
@@ -164,6 +168,10 @@ class NativeKernels:
         self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
         self._moe_gemm = self._fn(lib.moe_gemm_f32, None, [_P, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int])
         self._linear_bf16 = self._fn(lib.linear_bf16w_f32, ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int])
+        self._stack = self._fn(lib.decode_stack_f32, ctypes.c_int,
+                               [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
+                                _I, _P, _P, ctypes.c_int, _P, ctypes.c_int])
+        self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int])
 
     @staticmethod
     def _fn(f, restype, argtypes):
@@ -191,11 +199,11 @@ class NativeKernels:
         _rows_of_heads(q)
         assert b == len(layout.rows)
         kv_dtype = kt_buf.dtype
-        _check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap, kv_dtype)
+        check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap, kv_dtype)
         ptrs: list[int | None] = [None] * 4
         if layout.entry is not None:
             assert prefix is not None and layout.plen is not None  # plen is set together with entry
-            _check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap, kv_dtype)
+            check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap, kv_dtype)
             ptrs = [prefix[0].data_ptr(), prefix[1].data_ptr(), layout.entry.data_ptr(), layout.plen.data_ptr()]
         store: list[int | None] = [None, 0, None, 0, None, None, None, None]
         if new_kv is not None:
@@ -238,7 +246,7 @@ class NativeKernels:
         if j == 0:
             return
         n = start[1:] - start[:-1]
-        _check_kv(kt_buf, v_buf, h, d, int(rows.max()) + 1, kt_buf.shape[3], pk.dtype)
+        check_kv(kt_buf, v_buf, h, d, int(rows.max()) + 1, kt_buf.shape[3], pk.dtype)
         assert int(n.min()) >= 0 and int(n.max()) <= kt_buf.shape[3] and int(rows.min()) >= 0
         assert len(slots) == 0 or (int(slots.min()) >= 0 and int(slots.max()) < s)
         self._fill(pk.data_ptr(), pv.data_ptr(), slots.data_ptr(), start.data_ptr(), rows.data_ptr(), j, h, d,
@@ -341,6 +349,37 @@ class NativeKernels:
         out = torch.empty(b, dtype=torch.int64)
         self._argmax(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr())
         return out.tolist()
+
+    def decode_stack(self, x: torch.Tensor, layers: torch.Tensor, heads: tuple[int, int, int], inter: int,
+                     eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: DecodeLayout,
+                     scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
+        """A whole Llama stack's decode step for a few rows (csrc/decode_stack.c): every layer's norm, qkv,
+        rotary, attention with the K/V store, o_proj, norm, gate_up, SiLU gate and down, with the arguments
+        these wrappers pass. x: [T, N] float32 contiguous, the residual stream (updated in place); layers:
+        [L, len(STACK_COLUMNS)] int64, per layer its tensors' data_ptr (0: none) and its window (0: none),
+        checked by the caller (bf16 weights [out, in] and float32 norm weights, contiguous; the KV buffers as
+        decode_attention takes them, in kv_dtype, at the layout's capacities); heads: (Hkv, G, D); positions,
+        cos, sin as `rope` takes them (it rotates the first Hq + Hkv heads of qkv). Returns the last layer's
+        MLP output, [T, N] float32."""
+        t, n = x.shape
+        hkv, g, d = heads
+        assert x.dtype == torch.float32 and x.is_contiguous() and kernel_supports(g, d)
+        assert layers.dtype == torch.int64 and layers.is_contiguous() and layers.shape[1] == len(STACK_COLUMNS)
+        assert len(layout.rows) == t and layout.new_pos is not None and layout.loc is not None
+        assert positions.shape == (t,) and positions.dtype == torch.int64 and positions.is_contiguous()
+        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        assert sin.shape == cos.shape and 2 * cos.shape[1] <= d
+        threads = torch.get_num_threads()
+        p_cap = layout.p_cap if layout.entry is not None else 0
+        ws = torch.empty(self._stack_ws(t, n, hkv, g, d, inter, layout.l_cap, p_cap, threads), dtype=torch.float32)
+        delta = torch.empty_like(x)
+        if self._stack(x.data_ptr(), delta.data_ptr(), t, layers.data_ptr(), layers.shape[0], n, hkv, g, d, inter,
+                       eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1], layout.rows.data_ptr(),
+                       _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale, _ptr(layout.entry),
+                       _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(), layout.loc.data_ptr(), _kv_bf16(kv_dtype),
+                       ws.data_ptr(), threads) != 0:
+            raise MemoryError(f"decode stack: a kernel could not allocate its rounded input at {t} rows")
+        return delta
 
 
 def load(cache: str | None = None) -> NativeKernels | None:

@@ -19,7 +19,8 @@ from services.scheduler.kernels.cpu_kernels import KV_DTYPES as NATIVE_KV_DTYPES
 from services.scheduler.kernels.cpu_kernels import load as load_cpu_kernels
 from services.scheduler.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.scheduler.lora.manager import LoraManager, LoraSettings
-from services.scheduler.model_executor import model_loader
+from services.scheduler.model_executor import cpu_decode, model_loader
+from services.scheduler.model_executor.cpu_decode import NativeDecodeStack
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models import check_architectures, get_model_class
 from services.scheduler.models.llama import LlamaForCausalLM
@@ -130,6 +131,15 @@ class ModelRunner:
             t1 = time.monotonic()
             self.cuda_graph_runner = CudaGraphRunner(self, cuda_graph_max_bs, emulate=emulate_cuda_graph)
             logger.info("CUDA graphs: captured bs up to %d in %.1fs", cuda_graph_max_bs, time.monotonic() - t1)
+        # CPU: a small decode step of a Llama stack in one native call (where every piece of it has one).
+        self.decode_stack: NativeDecodeStack | None = None
+        if self.device.type == "cpu" and not disable_cuda_graph and self.lora is None:
+            why = cpu_decode.unsupported(self.model, self.attn_backend, self.native)
+            if why is None and self.native is not None:
+                self.decode_stack = NativeDecodeStack(self.model, self.attn_backend, self.native)
+                logger.info("decode below %d rows: the whole stack in one native call", cpu_linear.BF16_SMALL_T)
+            else:
+                logger.info("decode in one native call: off (%s)", why)
         if synthetic_forward:
             logger.warning("synthetic forward: the model is not run; every step emits fixed pseudo-random tokens "
                            "(for benchmarks of the services, never for serving)")
@@ -328,6 +338,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._use_threads(self.decode_threads if batch.mode == ForwardMode.DECODE else self.prefill_threads)
         self.attn_backend.init_forward_metadata(batch)
+        if self.decode_stack is not None and self.decode_stack.can_run(batch):
+            return self.decode_stack.run(batch)
         if batch.mode == ForwardMode.DECODE:
             last_index = None  # one token per request: every row is a last token
         else:

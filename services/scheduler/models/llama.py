@@ -226,9 +226,13 @@ class LlamaForCausalLM(nn.Module):
         if last_index is not None:  # [B, H]: the last add, norm and lm_head only where logits are used
             assert delta is not None  # the model has at least one layer
             x, delta = x.index_select(0, last_index), delta.index_select(0, last_index)
+        return self.logits(x, delta)
+
+    def logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The last residual add, the final norm and the lm_head: x, delta [B, H] -> logits [B, V] float32."""
         x, _ = self.norm.add_norm(x, delta)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
-        return logits.float()  # [B, V] float32
+        return logits.float()
 
     def hf_rename(self, name: str) -> str:
         """A checkpoint tensor's name (without "model.") in this class's naming; subclasses map theirs."""

@@ -1,0 +1,78 @@
+/* A decode step of a Llama decoder stack for a small batch, every layer in one call: the same kernels, with the
+ * same arguments, in the same order as the Python layers (models/llama.py) call them through NativeKernels, so
+ * the same bits, without the ~200 us of Python and torch per layer that a few-row step otherwise spends between
+ * them (a third of a batch-1 step of a 30-layer model on 2 cores). model_executor/cpu_decode.py decides when it
+ * runs: bf16 linears on the native small-batch kernel, the C decode attention, no bias, LoRA or per-head norms.
+ *
+ * Per layer l, rows T (< the bf16 GEMM's threshold), hidden N, heads Hq = Hkv * G of D, intermediate I:
+ *   h = norm_in(x += delta)            (layer 0: no add)
+ *   qkv = h W_qkv^T                    [T, (Hq + 2 Hkv) D]: q, k, v heads side by side
+ *   rotary on q and k                  (the first Hq + Hkv heads of each row, in place)
+ *   a = attention(q; k, v stored)      [T, Hq D]: the new k, v written to the dense row and the pool first
+ *   h = norm_post(x += a W_o^T)
+ *   delta = silu_mul(h W_gu^T) W_down^T
+ * x [T, N] is the residual stream (updated in place); delta [T, N] receives the last layer's MLP output (the
+ * final norm adds it). layers [L][DS_COLS] int64: per layer the pointers below (0: NULL) and its window.
+ * The attention arguments shared by the layers (rows .. loc, scale, caps) are the decode layout's, as in
+ * decode_attention_f32. ws: a float32 workspace of decode_stack_workspace(...) floats.
+ * Returns 0, or the first failing kernel's nonzero code (an unsupported head shape; out of memory).
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+enum { DS_QKV, DS_O, DS_GATE_UP, DS_DOWN, DS_NORM_IN, DS_NORM_POST, DS_KT, DS_V, DS_PREFIX_K, DS_PREFIX_V,
+       DS_POOL_K, DS_POOL_V, DS_WINDOW, DS_COLS };
+
+int linear_bf16w_f32(const float *x, int64_t ldx, int64_t T, const uint16_t *w, int64_t N, int64_t K, float *out,
+                     int threads);
+void add_rms_norm_f32(float *x, int64_t x_stride, const void *delta, int64_t delta_stride, void *out,
+                      const float *w, int64_t T, int64_t N, float eps, int threads, int delta_bf16, int out_bf16);
+void silu_mul_f32(const void *gate_up, void *out, int64_t T, int64_t I, int threads, int in_bf16, int out_bf16);
+void rope_f32(float *x, const int64_t *positions, const float *cos_t, const float *sin_t, int64_t T,
+              int64_t row_stride, int64_t heads, int64_t D, int64_t half, int threads);
+int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, const int64_t *rows,
+                         const int64_t *order, const int64_t *lens, float *out, float *scratch, int64_t B,
+                         int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads, const void *pk,
+                         const void *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
+                         const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
+                         const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv_bf16);
+
+/* The workspace's size in floats: h, qkv, the attention output, the o_proj output, gate_up, the gate's
+ * output, and the attention kernel's scratch (threads * G * (Pcap + Lcap)). */
+int64_t decode_stack_workspace(int64_t T, int64_t N, int64_t Hkv, int64_t G, int64_t D, int64_t I, int64_t Lcap,
+                               int64_t Pcap, int threads) {
+    const int64_t Hq = Hkv * G;
+    return T * (N + (Hq + 2 * Hkv) * D + Hq * D + N + 3 * I) + (int64_t)threads * G * (Pcap + Lcap);
+}
+
+#define PTR(l, c) ((void *)(intptr_t)layers[(l) * DS_COLS + (c)])
+
+int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, int64_t L, int64_t N, int64_t Hkv,
+                     int64_t G, int64_t D, int64_t I, float eps, const int64_t *positions, const float *cos_t,
+                     const float *sin_t, int64_t half, const int64_t *rows, const int64_t *order,
+                     const int64_t *lens, int64_t Lcap, float scale, const int64_t *entry, const int64_t *plen,
+                     int64_t Pcap, const int64_t *new_pos, const int64_t *loc, int kv_bf16, float *ws,
+                     int threads) {
+    const int64_t Hq = Hkv * G, Q = (Hq + 2 * Hkv) * D;
+    float *h = ws, *qkv = h + T * N, *att = qkv + T * Q, *o = att + T * Hq * D, *gu = o + T * N;
+    float *act = gu + T * 2 * I, *scratch = act + T * I;
+    int rc = 0;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        add_rms_norm_f32(x, N, l ? delta : NULL, l ? N : 0, h, PTR(l, DS_NORM_IN), T, N, eps, threads, 0, 0);
+        if ((rc = linear_bf16w_f32(h, N, T, PTR(l, DS_QKV), Q, N, qkv, threads))) break;
+        rope_f32(qkv, positions, cos_t, sin_t, T, Q, Hq + Hkv, D, half, threads);
+        /* entry NULL: no shared prefixes, and the prefix columns are 0 */
+        if ((rc = decode_attention_f32(qkv, Q, PTR(l, DS_KT), PTR(l, DS_V), rows, order, lens, att, scratch, T, Hkv,
+                                       G, D, Lcap, scale, threads, PTR(l, DS_PREFIX_K), PTR(l, DS_PREFIX_V), entry,
+                                       plen, Pcap, layers[l * DS_COLS + DS_WINDOW], qkv + Hq * D, Q,
+                                       qkv + (Hq + Hkv) * D, Q, new_pos, PTR(l, DS_POOL_K), PTR(l, DS_POOL_V), loc,
+                                       kv_bf16)))
+            break;
+        if ((rc = linear_bf16w_f32(att, Hq * D, T, PTR(l, DS_O), N, Hq * D, o, threads))) break;
+        add_rms_norm_f32(x, N, o, N, h, PTR(l, DS_NORM_POST), T, N, eps, threads, 0, 0);
+        if ((rc = linear_bf16w_f32(h, N, T, PTR(l, DS_GATE_UP), 2 * I, N, gu, threads))) break;
+        silu_mul_f32(gu, act, T, I, threads, 0, 0);
+        rc = linear_bf16w_f32(act, I, T, PTR(l, DS_DOWN), N, I, delta, threads);
+    }
+    return rc;
+}

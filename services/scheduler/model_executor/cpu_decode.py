@@ -1,0 +1,127 @@
+"""The CPU's counterpart of CUDA graphs: a small decode step of a Llama stack in one native call.
+
+At a few rows each kernel of a decode step is short (the linears stream their bf16 weights, the rest is
+tiny), and the Python and torch calls between them add up to about as much again: ~250 us a layer of
+module calls, checks, views and allocations, a third of a batch-1 step of SmolLM2-135M (30 layers) on
+2 cores. `NativeDecodeStack.run` embeds, hands every layer to csrc/decode_stack.c, which calls the same
+kernels with the same arguments in the same order as the layers do through NativeKernels, and takes
+the final norm and the lm_head back in Python: the same logits, bit for bit.
+
+It is used where every piece is one the C stack has (`unsupported` says what is missing otherwise):
+Llama's own layers (not a subclass's), bf16 linears without bias on the native small-batch kernel (so
+fewer than BF16_SMALL_T rows), the native norms, SiLU gate and rotary, no per-head q/k norms, no LoRA,
+and a decode step on the attention backend's C kernel (`layout` set). `--disable-cuda-graph` turns it
+off, as it turns off the graphs on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from services.scheduler.attention.backend import TorchSDPABackend
+from services.scheduler.kernels.cpu_kernels import STACK_COLUMNS, DecodeLayout, NativeKernels, check_kv
+from services.scheduler.kernels.cpu_linear import BF16_SMALL_T, PackedLinear
+from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
+from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+_PREFIX_K = STACK_COLUMNS.index("prefix_k")
+
+
+def unsupported(model: torch.nn.Module, backend: object, native: NativeKernels | None) -> str | None:
+    """Why the stack cannot run this model on this backend (None: it can)."""
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if native is None or not isinstance(backend, TorchSDPABackend) or backend.native is None \
+            or backend.dense is None:
+        return "no C attention kernels"
+    if model.rotary is None or model.rotary.native is None:
+        return "rotary not on the C kernels"
+    for layer in model.layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+            return "a layer that is not Llama's"
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qk_norm or mlp.native is None or layer.input_layernorm.native is None \
+                or layer.post_attention_layernorm.native is None:
+            return "per-head q/k norms, or a norm or the gate not on the C kernels"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
+                return "norm weights that are not float32"
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(lin, PackedLinear) or lin.native is None or lin.weight.dtype != torch.bfloat16 \
+                    or lin.bias is not None or not lin.weight.is_contiguous():
+                return "linears that are not bias-free bf16 on the native small-batch kernel"
+    return None
+
+
+class NativeDecodeStack:
+    """Runs decode steps of fewer than BF16_SMALL_T rows through csrc/decode_stack.c."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: TorchSDPABackend, native: NativeKernels) -> None:
+        assert unsupported(model, backend, native) is None
+        self.model, self.backend, self.native = model, backend, native
+        first = model.first_attention()
+        self.heads = (first.num_kv_heads, first.num_heads // first.num_kv_heads, first.head_dim)
+        layer0 = cast(LlamaDecoderLayer, model.layers[0])
+        self.inter = cast(LlamaMLP, layer0.mlp).inter
+        self.eps = layer0.input_layernorm.eps
+        self.scale = backend.scaling if backend.scaling is not None else first.head_dim ** -0.5
+        self.windows = [w or 0 for w in backend.windows]
+        # Per layer, its weights in STACK_COLUMNS order: the parameters themselves, so that a weight
+        # update (copied in place) or anything that swaps their storage is read at the next step.
+        self.weights: list[list[torch.Tensor]] = []
+        for layer in cast(list[LlamaDecoderLayer], list(model.layers)):
+            attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)
+            self.weights.append([attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                                 mlp.down_proj.weight, layer.input_layernorm.weight,
+                                 layer.post_attention_layernorm.weight])
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A pure decode step of a few rows, without LoRA (call after the backend's init_forward_metadata)."""
+        md = self.backend.metadata
+        return (batch.mode == ForwardMode.DECODE and len(batch.input_ids) < BF16_SMALL_T and md.layout is not None
+                and md.parts is None)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's logits [B, V] float32, as LlamaForCausalLM.forward computes them."""
+        model, backend = self.model, self.backend
+        layout = backend.metadata.layout
+        assert layout is not None and model.rotary is not None
+        x = model.embed_tokens(batch.input_ids)  # [T, H] float32, a fresh tensor: the stack adds into it
+        positions = model.rotary.prepare(batch.positions)
+        assert isinstance(positions, torch.Tensor)  # the native rotary's: the checked positions
+        delta = self.native.decode_stack(x, self._table(layout), self.heads, self.inter, self.eps,
+                                         positions, model.rotary.cos, model.rotary.sin, layout, self.scale,
+                                         backend.kv_pool.dtype)
+        return model.logits(x, delta)
+
+    def _table(self, layout: DecodeLayout) -> torch.Tensor:
+        """[L, len(STACK_COLUMNS)] int64: this step's pointers. The KV buffers are read from the backend every
+        step (the dense rows grow; shared prefixes come and go): the first layer's are checked against the
+        layout as decode_attention checks them, the others against the first layer's."""
+        backend, (hkv, _, d) = self.backend, self.heads
+        dense, pool = backend.dense, backend.kv_pool
+        assert dense is not None
+        kt0, v0 = dense.buffers(0)
+        check_kv(kt0, v0, hkv, d, len(layout.lens), layout.l_cap, pool.dtype)
+        shared = layout.entry is not None
+        prefix0 = dense.prefix_buffers(0) if shared else None
+        if prefix0 is not None:
+            check_kv(prefix0[0], prefix0[1], hkv, d, layout.entries, layout.p_cap, pool.dtype)
+        assert prefix0 is not None or not shared
+        pk0 = pool.get_kv_buffer(0)[0]
+        assert pk0.dtype == pool.dtype and pk0.is_contiguous() and pk0.shape[1:] == (hkv, d)
+        rows: list[list[int]] = []
+        for layer, weights in enumerate(self.weights):
+            kt, v = dense.buffers(layer)
+            pk, pv = pool.get_kv_buffer(layer)
+            assert kt.shape == kt0.shape and v.shape == v0.shape and pk.shape == pv.shape == pk0.shape
+            row = [w.data_ptr() for w in weights] + [kt.data_ptr(), v.data_ptr(), 0, 0, pk.data_ptr(),
+                                                     pv.data_ptr(), self.windows[layer]]
+            if prefix0 is not None:
+                prefix = dense.prefix_buffers(layer)
+                assert prefix is not None and (prefix[0].shape, prefix[1].shape) == (prefix0[0].shape, prefix0[1].shape)
+                row[_PREFIX_K], row[_PREFIX_K + 1] = prefix[0].data_ptr(), prefix[1].data_ptr()
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64)

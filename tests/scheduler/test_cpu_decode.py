@@ -1,0 +1,96 @@
+"""The one-call native decode stack (model_executor/cpu_decode.py): the same logits, bit for bit, as the
+Python layers, and only where it has every piece of the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.scheduler.kernels import cpu_linear
+from services.scheduler.model_executor import cpu_decode
+from services.scheduler.model_executor.forward_batch import ForwardMode
+from services.scheduler.model_executor.model_runner import ModelRunner
+from tests.scheduler.test_decode_cache import sharing
+from tests.scheduler.test_model_runner import Seq, make_batch
+
+
+def bf16_runners(path: str) -> tuple[ModelRunner, ModelRunner]:
+    """Two bf16 runners of one model: the first with the stack, the second without."""
+    if not cpu_linear.supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear in this torch")
+    on, off = (ModelRunner(path, device="cpu", dtype="bfloat16", max_total_tokens=2048, max_running_requests=16,
+                           disable_cuda_graph=disable) for disable in (False, True))
+    if on.native is None:
+        pytest.skip("no C compiler: the stack is the C kernels'")
+    assert on.decode_stack is not None and off.decode_stack is None
+    return on, off
+
+
+def counted(runner: ModelRunner) -> list[tuple[int, bool]]:
+    """Each step the runner's stack ran: its rows, and whether some read a shared prefix."""
+    stack = runner.decode_stack
+    assert stack is not None
+    ran: list[tuple[int, bool]] = []
+    run = stack.run
+
+    def spy(batch):  # type: ignore[no-untyped-def]
+        layout = runner.attn_backend.metadata.layout
+        ran.append((len(batch.input_ids), layout is not None and layout.entry is not None))
+        return run(batch)
+
+    stack.run = spy  # type: ignore[method-assign]
+    return ran
+
+
+def test_small_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None:
+    """Prefill, then decode at 7, 3, 1 and 5 rows (the stack) and at 9 (the packed GEMMs: not the stack)."""
+    runners = bf16_runners(model_dir)
+    ran = counted(runners[0])
+    got: list[list[torch.Tensor]] = [[], []]
+    for out, r in zip(got, runners):
+        seqs = [Seq(r, [(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)]) for i in range(9)]
+        out.append(r.forward(make_batch(seqs, ForwardMode.EXTEND, [len(s.ids) for s in seqs])))
+        for step, rows in enumerate((7, 3, 1, 9, 5)):
+            for s in seqs[:rows]:
+                s.ids.append(11 + step)
+            out.append(r.forward(make_batch(seqs[:rows], ForwardMode.DECODE, [1] * rows)))
+    assert ran == [(7, False), (3, False), (1, False), (5, False)]
+    for a, b in zip(*got):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_rows_on_a_shared_prefix_and_a_sliding_window(model_dir: str, tmp_path: Path) -> None:
+    """Mistral with a window of 16 on every layer, followers reading their leader's prompt from one
+    shared copy: the layout's prefix entries and each layer's window go through the stack as well."""
+    from tests.random_models import build_windowed
+
+    runners = bf16_runners(str(build_windowed("mistral", tmp_path / "mistral", model_dir)))
+    ran = counted(runners[0])
+    got: list[list[torch.Tensor]] = [[], []]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (100, 90, 6, 9)]
+    for out, r in zip(got, runners):
+        leader, loner = Seq(r, prompts[0]), Seq(r, prompts[1])
+        out.append(r.forward(make_batch([leader, loner], ForwardMode.EXTEND, [100, 90])))
+        seqs = [leader, loner] + [sharing(r, leader, 80, own) for own in prompts[2:]]
+        for step, active in enumerate(([0, 1, 2, 3], [3, 1, 0], [1])):
+            for i in active:
+                seqs[i].ids.append(21 + step)
+            out.append(r.forward(make_batch([seqs[i] for i in active], ForwardMode.DECODE, [1] * len(active))))
+    assert ran == [(4, True), (3, True), (1, False)]
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
+def test_it_runs_only_where_it_has_every_piece(model_dir: str) -> None:
+    f32 = ModelRunner(model_dir, device="cpu", max_total_tokens=512, max_running_requests=4)
+    assert f32.decode_stack is None  # float32 linears: small batches go to F.linear, not a C kernel
+    assert "linears" in (cpu_decode.unsupported(f32.model, f32.attn_backend, f32.native) or "")
+    if f32.native is None:
+        pytest.skip("no C compiler")
+    bf16 = ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=512, max_running_requests=4)
+    assert cpu_decode.unsupported(bf16.model, bf16.attn_backend, None) == "no C attention kernels"
+    bf16.model.layers[0].self_attn.o_proj.bias = torch.zeros(bf16.model.config.hidden_size)
+    assert "bias-free" in (cpu_decode.unsupported(bf16.model, bf16.attn_backend, bf16.native) or "")
