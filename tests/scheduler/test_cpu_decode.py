@@ -92,5 +92,5 @@ def test_it_runs_only_where_it_has_every_piece(model_dir: str) -> None:
         pytest.skip("no C compiler")
     bf16 = ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=512, max_running_requests=4)
     assert cpu_decode.unsupported(bf16.model, bf16.attn_backend, None) == "no C attention kernels"
-    bf16.model.layers[0].self_attn.o_proj.bias = torch.zeros(bf16.model.config.hidden_size)
+    bf16.model.first_attention().o_proj.bias = torch.nn.Parameter(torch.zeros(bf16.model.config.hidden_size))
     assert "bias-free" in (cpu_decode.unsupported(bf16.model, bf16.attn_backend, bf16.native) or "")
