@@ -123,7 +123,7 @@ def extend_layout(slots: torch.Tensor, q_start: torch.Tensor, prefix: torch.Tens
 
 
 def check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int,
-              dtype: torch.dtype) -> None:
+             dtype: torch.dtype) -> None:
     for t in (kt_buf, v_buf):
         assert t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
     assert kt_buf.shape[0] >= rows and kt_buf.shape[1:] == (h, d, l_cap)
