@@ -1,6 +1,6 @@
 /* A decode step of a Llama decoder stack for a small batch, every layer in one call: the same kernels, with the
  * same arguments, in the same order as the Python layers (models/llama.py) call them through NativeKernels, so
- * the same bits, without the ~200 us of Python and torch per layer that a few-row step otherwise spends between
+ * the same bits, without the ~250 us of Python and torch per layer that a few-row step otherwise spends between
  * them (a third of a batch-1 step of a 30-layer model on 2 cores). model_executor/cpu_decode.py decides when it
  * runs: bf16 linears on the native small-batch kernel, the C decode attention, no bias, LoRA or per-head norms.
  *
