@@ -46,7 +46,7 @@ class EngineConfig:
     max_queued_requests: int = field(default=4096, metadata=_h("most waiting requests before intake refuses"))
     context_length: int | None = field(default=None, metadata=_h("override the model's context length"))
     disable_cuda_graph: bool = field(default=False, metadata=_h(
-        "run decode eagerly: no CUDA graphs on CUDA; on CPU, no one-call native decode stack for small batches"))
+        "run decode eagerly: no CUDA graphs on CUDA; on CPU, no one-call native decode stack"))
     cuda_graph_max_bs: int = field(default=64, metadata=_h("largest decode batch captured in a CUDA graph"))
     attention_backend: str | None = field(default=None, metadata=_h(
         "triton, flashinfer or torch (default: triton on CUDA, torch SDPA + the C kernels on CPU); "

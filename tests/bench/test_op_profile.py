@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from bench import op_profile
 
@@ -35,3 +36,17 @@ def test_profile_prints_every_family(model_dir: str, capsys: pytest.CaptureFixtu
                    "norms", "rotary", "sampling", "scheduling", "other in the forward"):
         assert f"| {family} |" in out, family
     assert re.search(r"step / that = \d+\.\d\dx", out)
+
+
+def test_profile_times_the_one_call_stack_after_the_ops(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """bf16 linears on CPU: the ops are timed on the Python layers, then the same batch through the stack."""
+    from services.scheduler.kernels import cpu_linear
+    from services.scheduler.kernels.cpu_kernels import load
+
+    if not cpu_linear.supported(torch.bfloat16) or load() is None:
+        pytest.skip("no oneDNN bf16 linear or no C compiler")
+    assert op_profile.main(["--model", model_dir, "--batches", "9", "--context", "16", "--prefill", "0",
+                            "--steps", "2", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "| linear down_proj |" in out and "| norms |" in out  # not hidden inside the stack's call
+    assert re.search(r"the same step with the one-call native decode stack \(as served\): \d+\.\d\d ms", out)

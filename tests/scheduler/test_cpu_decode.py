@@ -44,21 +44,41 @@ def counted(runner: ModelRunner) -> list[tuple[int, bool]]:
     return ran
 
 
-def test_small_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None:
-    """Prefill, then decode at 7, 3, 1 and 5 rows (the stack) and at 9 (the packed GEMMs: not the stack)."""
+def test_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None:
+    """Prefill, then decode at 7, 3, 1 and 5 rows (the native linear kernel inside the stack) and at 9, 12
+    and 8 (the packed GEMMs, called back in Python)."""
+    assert cpu_linear.BF16_SMALL_T == 8  # the row counts below straddle it
     runners = bf16_runners(model_dir)
     ran = counted(runners[0])
     got: list[list[torch.Tensor]] = [[], []]
+    steps = (7, 3, 1, 9, 12, 5, 8)
     for out, r in zip(got, runners):
-        seqs = [Seq(r, [(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)]) for i in range(9)]
+        seqs = [Seq(r, [(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)]) for i in range(12)]
         out.append(r.forward(make_batch(seqs, ForwardMode.EXTEND, [len(s.ids) for s in seqs])))
-        for step, rows in enumerate((7, 3, 1, 9, 5)):
+        for step, rows in enumerate(steps):
             for s in seqs[:rows]:
                 s.ids.append(11 + step)
             out.append(r.forward(make_batch(seqs[:rows], ForwardMode.DECODE, [1] * rows)))
-    assert ran == [(7, False), (3, False), (1, False), (5, False)]
+    assert ran == [(rows, False) for rows in steps]
     for a, b in zip(*got):
         assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_a_failing_linear_in_a_larger_step_raises_its_error(model_dir: str) -> None:
+    """The callback cannot raise through the C frames: the step raises the linear's own exception."""
+    on, _ = bf16_runners(model_dir)
+    seqs = [Seq(on, [i + 1, i + 2, i + 3]) for i in range(8)]
+    on.forward(make_batch(seqs, ForwardMode.EXTEND, [3] * 8))
+    for s in seqs:
+        s.ids.append(5)
+    down = on.model.get_submodule("layers.1.mlp.down_proj")
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("down_proj broke")
+
+    down.forward = broken  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="down_proj broke"):
+        on.forward(make_batch(seqs, ForwardMode.DECODE, [1] * 8))
 
 
 def test_rows_on_a_shared_prefix_and_a_sliding_window(model_dir: str, tmp_path: Path) -> None:
@@ -70,16 +90,16 @@ def test_rows_on_a_shared_prefix_and_a_sliding_window(model_dir: str, tmp_path: 
     ran = counted(runners[0])
     got: list[list[torch.Tensor]] = [[], []]
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (100, 90, 6, 9)]
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (100, 90, 6, 9, 3, 4, 5, 7, 8)]
     for out, r in zip(got, runners):
         leader, loner = Seq(r, prompts[0]), Seq(r, prompts[1])
         out.append(r.forward(make_batch([leader, loner], ForwardMode.EXTEND, [100, 90])))
         seqs = [leader, loner] + [sharing(r, leader, 80, own) for own in prompts[2:]]
-        for step, active in enumerate(([0, 1, 2, 3], [3, 1, 0], [1])):
+        for step, active in enumerate(([0, 1, 2, 3], [3, 1, 0], [1], [8, 1, 2, 3, 4, 5, 6, 7, 0])):
             for i in active:
                 seqs[i].ids.append(21 + step)
             out.append(r.forward(make_batch([seqs[i] for i in active], ForwardMode.DECODE, [1] * len(active))))
-    assert ran == [(4, True), (3, True), (1, False)]
+    assert ran == [(4, True), (3, True), (1, False), (9, True)]
     for a, b in zip(*got):
         assert torch.equal(a, b)
 

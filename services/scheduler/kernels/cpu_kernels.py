@@ -29,6 +29,11 @@ ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the SiLU gate's and the 
 # weights, the dense rows' K^T and V, the shared prefixes' K^T and V, the KV pool's K and V, the window.
 STACK_COLUMNS = ("qkv", "o", "gate_up", "down", "norm_in", "norm_post", "kt", "v", "prefix_k", "prefix_v",
                  "pool_k", "pool_v", "window")
+# decode_stack.c's callback for the linears of larger steps: (layer, linear: its column in STACK_COLUMNS) ->
+# the output's address (0: it failed).
+STACK_GEMM = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+STACK_GEMM_FAILED = -2  # decode_stack_f32's return when the callback returned 0
+_NO_GEMM = STACK_GEMM()  # NULL: the stack runs its own linear kernel
 
 
 def kernel_supports(group: int, head_dim: int) -> bool:
@@ -170,7 +175,7 @@ class NativeKernels:
         self._linear_bf16 = self._fn(lib.linear_bf16w_f32, ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int])
         self._stack = self._fn(lib.decode_stack_f32, ctypes.c_int,
                                [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
-                                _I, _P, _P, ctypes.c_int, _P, ctypes.c_int])
+                                _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P])
         self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int])
 
     @staticmethod
@@ -352,15 +357,21 @@ class NativeKernels:
 
     def decode_stack(self, x: torch.Tensor, layers: torch.Tensor, heads: tuple[int, int, int], inter: int,
                      eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: DecodeLayout,
-                     scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
-        """A whole Llama stack's decode step for a few rows (csrc/decode_stack.c): every layer's norm, qkv,
+                     scale: float, kv_dtype: torch.dtype, gemm: object | None = None,
+                     io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """A whole Llama stack's decode step (csrc/decode_stack.c): every layer's norm, qkv,
         rotary, attention with the K/V store, o_proj, norm, gate_up, SiLU gate and down, with the arguments
         these wrappers pass. x: [T, N] float32 contiguous, the residual stream (updated in place); layers:
         [L, len(STACK_COLUMNS)] int64, per layer its tensors' data_ptr (0: none) and its window (0: none),
         checked by the caller (bf16 weights [out, in] and float32 norm weights, contiguous; the KV buffers as
         decode_attention takes them, in kv_dtype, at the layout's capacities); heads: (Hkv, G, D); positions,
         cos, sin as `rope` takes them (it rotates the first Hq + Hkv heads of qkv). Returns the last layer's
-        MLP output, [T, N] float32."""
+        MLP output, [T, N] float32.
+
+        gemm: a STACK_GEMM that runs the linears (larger steps, on torch's packed GEMM; it keeps each output
+        alive until that linear's next call), io: their inputs the stack writes, [T, N] bf16 (the norms'),
+        [T, Hq D] float32 (the attention's) and [T, I] bf16 (the gate's), contiguous. Returns None then: the
+        last layer's MLP output is the last down output the callback returned."""
         t, n = x.shape
         hkv, g, d = heads
         assert x.dtype == torch.float32 and x.is_contiguous() and kernel_supports(g, d)
@@ -371,15 +382,28 @@ class NativeKernels:
         assert sin.shape == cos.shape and 2 * cos.shape[1] <= d
         threads = torch.get_num_threads()
         p_cap = layout.p_cap if layout.entry is not None else 0
-        ws = torch.empty(self._stack_ws(t, n, hkv, g, d, inter, layout.l_cap, p_cap, threads), dtype=torch.float32)
-        delta = torch.empty_like(x)
-        if self._stack(x.data_ptr(), delta.data_ptr(), t, layers.data_ptr(), layers.shape[0], n, hkv, g, d, inter,
+        io_ptrs = None
+        if gemm is not None:
+            assert io is not None
+            h, att, act = io
+            assert h.dtype == act.dtype == torch.bfloat16 and att.dtype == torch.float32
+            assert h.shape == (t, n) and att.shape == (t, hkv * g * d) and act.shape == (t, inter)
+            assert h.is_contiguous() and att.is_contiguous() and act.is_contiguous()
+            io_ptrs = torch.tensor([h.data_ptr(), att.data_ptr(), act.data_ptr()], dtype=torch.int64)
+        # With the callback the workspace is the attention's scratch only (its size at no rows).
+        ws = torch.empty(self._stack_ws(t if gemm is None else 0, n, hkv, g, d, inter, layout.l_cap, p_cap, threads),
+                         dtype=torch.float32)
+        delta = torch.empty_like(x) if gemm is None else x
+        rc = self._stack(x.data_ptr(), delta.data_ptr(), t, layers.data_ptr(), layers.shape[0], n, hkv, g, d, inter,
                        eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1], layout.rows.data_ptr(),
                        _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale, _ptr(layout.entry),
                        _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(), layout.loc.data_ptr(), _kv_bf16(kv_dtype),
-                       ws.data_ptr(), threads) != 0:
+                       ws.data_ptr(), threads, _NO_GEMM if gemm is None else gemm, _ptr(io_ptrs))
+        if rc == STACK_GEMM_FAILED:
+            raise RuntimeError("decode stack: a linear's callback failed")
+        if rc != 0:
             raise MemoryError(f"decode stack: a kernel could not allocate its rounded input at {t} rows")
-        return delta
+        return delta if gemm is None else None
 
 
 def load(cache: str | None = None) -> NativeKernels | None:

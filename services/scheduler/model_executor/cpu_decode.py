@@ -1,4 +1,4 @@
-"""The CPU's counterpart of CUDA graphs: a small decode step of a Llama stack in one native call.
+"""The CPU's counterpart of CUDA graphs: a decode step of a Llama stack in one native call.
 
 At a few rows each kernel of a decode step is short (the linears stream their bf16 weights, the rest is
 tiny), and the Python and torch calls between them add up to about as much again: ~250 us a layer of
@@ -7,11 +7,16 @@ module calls, checks, views and allocations, a third of a batch-1 step of SmolLM
 kernels with the same arguments in the same order as the layers do through NativeKernels, and takes
 the final norm and the lm_head back in Python: the same logits, bit for bit.
 
+From BF16_SMALL_T rows on the linears are oneDNN's packed GEMMs, which only torch calls: the stack then
+calls back into Python for each of them (PackedLinear.forward on the input the stack wrote, as the layer
+would call it) and runs everything between them itself, four Python calls a layer instead of a dozen
+module calls and their checks, views and allocations.
+
 It is used where every piece is one the C stack has (`unsupported` says what is missing otherwise):
-Llama's own layers (not a subclass's), bf16 linears without bias on the native small-batch kernel (so
-fewer than BF16_SMALL_T rows), the native norms, SiLU gate and rotary, no per-head q/k norms, no LoRA,
-and a decode step on the attention backend's C kernel (`layout` set). `--disable-cuda-graph` turns it
-off, as it turns off the graphs on CUDA.
+Llama's own layers (not a subclass's), bf16 linears without bias on the native small-batch kernel and
+handing bf16 over between the C kernels (LlamaForCausalLM.use_bf16_edges), the native norms, SiLU gate
+and rotary, no per-head q/k norms, no LoRA, and a decode step on the attention backend's C kernel
+(`layout` set). `--disable-cuda-graph` turns it off, as it turns off the graphs on CUDA.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import cast
 import torch
 
 from services.scheduler.attention.backend import TorchSDPABackend
-from services.scheduler.kernels.cpu_kernels import STACK_COLUMNS, DecodeLayout, NativeKernels, check_kv
+from services.scheduler.kernels.cpu_kernels import STACK_COLUMNS, STACK_GEMM, DecodeLayout, NativeKernels, check_kv
 from services.scheduler.kernels.cpu_linear import BF16_SMALL_T, PackedLinear
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -52,11 +57,18 @@ def unsupported(model: torch.nn.Module, backend: object, native: NativeKernels |
             if not isinstance(lin, PackedLinear) or lin.native is None or lin.weight.dtype != torch.bfloat16 \
                     or lin.bias is not None or not lin.weight.is_contiguous():
                 return "linears that are not bias-free bf16 on the native small-batch kernel"
+        # decode_stack.c's larger steps hand over what use_bf16_edges makes the layers hand over
+        edges = (attn.o_proj.out_bf16, mlp.gate_up_proj.out_bf16, mlp.down_proj.out_bf16, attn.qkv_proj.out_bf16,
+                 layer.input_layernorm.out_dtype, layer.post_attention_layernorm.out_dtype, mlp.down_dtype)
+        if edges != (True, True, True, False, attn.qkv_proj.input_dtype, mlp.gate_up_proj.input_dtype,
+                     mlp.down_proj.input_dtype):
+            return "linears that do not hand bf16 over to the C kernels"
     return None
 
 
 class NativeDecodeStack:
-    """Runs decode steps of fewer than BF16_SMALL_T rows through csrc/decode_stack.c."""
+    """Runs decode steps through csrc/decode_stack.c: fewer than BF16_SMALL_T rows wholly in C, more with
+    the linears called back in Python."""
 
     def __init__(self, model: LlamaForCausalLM, backend: TorchSDPABackend, native: NativeKernels) -> None:
         assert unsupported(model, backend, native) is None
@@ -71,17 +83,26 @@ class NativeDecodeStack:
         # Per layer, its weights in STACK_COLUMNS order: the parameters themselves, so that a weight
         # update (copied in place) or anything that swaps their storage is read at the next step.
         self.weights: list[list[torch.Tensor]] = []
+        # Per layer, its linears in STACK_COLUMNS order, for the callback of larger steps.
+        self.linears: list[tuple[PackedLinear, ...]] = []
         for layer in cast(list[LlamaDecoderLayer], list(model.layers)):
             attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)
             self.weights.append([attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
                                  mlp.down_proj.weight, layer.input_layernorm.weight,
                                  layer.post_attention_layernorm.weight])
+            self.linears.append(cast(tuple[PackedLinear, ...], (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                 mlp.down_proj)))
+        # A larger step's state for the callback: each linear's input (in STACK_COLUMNS order: the norms'
+        # output twice, the attention's, the gate's), the outputs the C side still reads, the first error.
+        self._inputs: list[torch.Tensor] = []
+        self._outputs: list[torch.Tensor | None] = [None] * 4
+        self._error: BaseException | None = None
+        self._gemm = STACK_GEMM(self._linear)  # held here: C keeps only the pointer
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A pure decode step of a few rows, without LoRA (call after the backend's init_forward_metadata)."""
+        """A pure decode step (call after the backend's init_forward_metadata)."""
         md = self.backend.metadata
-        return (batch.mode == ForwardMode.DECODE and len(batch.input_ids) < BF16_SMALL_T and md.layout is not None
-                and md.parts is None)
+        return batch.mode == ForwardMode.DECODE and md.layout is not None and md.parts is None
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The step's logits [B, V] float32, as LlamaForCausalLM.forward computes them."""
@@ -91,10 +112,36 @@ class NativeDecodeStack:
         x = model.embed_tokens(batch.input_ids)  # [T, H] float32, a fresh tensor: the stack adds into it
         positions = model.rotary.prepare(batch.positions)
         assert isinstance(positions, torch.Tensor)  # the native rotary's: the checked positions
-        delta = self.native.decode_stack(x, self._table(layout), self.heads, self.inter, self.eps,
-                                         positions, model.rotary.cos, model.rotary.sin, layout, self.scale,
-                                         backend.kv_pool.dtype)
+        args = (x, self._table(layout), self.heads, self.inter, self.eps, positions, model.rotary.cos,
+                model.rotary.sin, layout, self.scale, backend.kv_pool.dtype)
+        t = x.shape[0]
+        if t < BF16_SMALL_T:
+            delta = self.native.decode_stack(*args)
+        else:
+            hkv, g, d = self.heads
+            h = torch.empty(t, x.shape[1], dtype=torch.bfloat16)
+            self._inputs = [h, torch.empty(t, hkv * g * d), h, torch.empty(t, self.inter, dtype=torch.bfloat16)]
+            self._error = None
+            try:
+                self.native.decode_stack(*args, gemm=self._gemm, io=(h, self._inputs[1], self._inputs[3]))
+            except RuntimeError as e:
+                if self._error is not None:
+                    raise self._error from e
+                raise
+            delta = self._outputs[3]
+            self._inputs, self._outputs = [], [None] * 4
         return model.logits(x, delta)
+
+    def _linear(self, layer: int, which: int) -> int:
+        """decode_stack.c's callback: layer `layer`'s linear `which` (STACK_COLUMNS' index) on its input, as
+        the layer calls it; returns the output's address, kept until this linear's next call (0: it failed)."""
+        try:
+            y = self.linears[layer][which].forward(self._inputs[which])
+            self._outputs[which] = y
+            return y.data_ptr()
+        except BaseException as e:  # noqa: BLE001 - an exception cannot cross the C frames: run() raises it
+            self._error = e
+            return 0
 
     def _table(self, layout: DecodeLayout) -> torch.Tensor:
         """[L, len(STACK_COLUMNS)] int64: this step's pointers. The KV buffers are read from the backend every

@@ -131,13 +131,14 @@ class ModelRunner:
             t1 = time.monotonic()
             self.cuda_graph_runner = CudaGraphRunner(self, cuda_graph_max_bs, emulate=emulate_cuda_graph)
             logger.info("CUDA graphs: captured bs up to %d in %.1fs", cuda_graph_max_bs, time.monotonic() - t1)
-        # CPU: a small decode step of a Llama stack in one native call (where every piece of it has one).
+        # CPU: a decode step of a Llama stack in one native call (where every piece of it has one).
         self.decode_stack: NativeDecodeStack | None = None
         if self.device.type == "cpu" and not disable_cuda_graph and self.lora is None:
             why = cpu_decode.unsupported(self.model, self.attn_backend, self.native)
             if why is None and self.native is not None:
                 self.decode_stack = NativeDecodeStack(self.model, self.attn_backend, self.native)
-                logger.info("decode below %d rows: the whole stack in one native call", cpu_linear.BF16_SMALL_T)
+                logger.info("decode: the whole stack in one native call (from %d rows with the linears called "
+                            "back in torch)", cpu_linear.BF16_SMALL_T)
             else:
                 logger.info("decode in one native call: off (%s)", why)
         if synthetic_forward:

@@ -127,7 +127,7 @@ class LlamaDecoderLayer(nn.Module):
                 attn) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream [T, H], still without `delta` (the previous layer's MLP output, None
         for the first layer), so each add goes with the norm after it. Returns (x, this MLP's output).
-        csrc/decode_stack.c runs this same sequence for small CPU decode steps (cpu_decode.py): a change
+        csrc/decode_stack.c runs this same sequence for CPU decode steps (cpu_decode.py): a change
         here goes there too (tests/scheduler/test_cpu_decode.py compares the two bit for bit)."""
         h, x = self.input_layernorm.add_norm(x, delta)
         h, x = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rope, rot, attn))

@@ -1,10 +1,10 @@
-/* A decode step of a Llama decoder stack for a small batch, every layer in one call: the same kernels, with the
+/* A decode step of a Llama decoder stack, every layer in one call: the same kernels, with the
  * same arguments, in the same order as the Python layers (models/llama.py) call them through NativeKernels, so
  * the same bits, without the ~250 us of Python and torch per layer that a few-row step otherwise spends between
  * them (a third of a batch-1 step of a 30-layer model on 2 cores). model_executor/cpu_decode.py decides when it
- * runs: bf16 linears on the native small-batch kernel, the C decode attention, no bias, LoRA or per-head norms.
+ * runs: bf16 linears, the C decode attention, no bias, LoRA or per-head norms.
  *
- * Per layer l, rows T (< the bf16 GEMM's threshold), hidden N, heads Hq = Hkv * G of D, intermediate I:
+ * Per layer l, rows T, hidden N, heads Hq = Hkv * G of D, intermediate I:
  *   h = norm_in(x += delta)            (layer 0: no add)
  *   qkv = h W_qkv^T                    [T, (Hq + 2 Hkv) D]: q, k, v heads side by side
  *   rotary on q and k                  (the first Hq + Hkv heads of each row, in place)
@@ -15,7 +15,17 @@
  * final norm adds it). layers [L][DS_COLS] int64: per layer the pointers below (0: NULL) and its window.
  * The attention arguments shared by the layers (rows .. loc, scale, caps) are the decode layout's, as in
  * decode_attention_f32. ws: a float32 workspace of decode_stack_workspace(...) floats.
- * Returns 0, or the first failing kernel's nonzero code (an unsupported head shape; out of memory).
+ *
+ * From the bf16 GEMM's threshold on, oneDNN's packed GEMM is faster than the native linear kernel, and only
+ * torch calls it: `gemm` (not NULL) is then a callback into Python that runs layer l's linear `which` (DS_QKV,
+ * DS_O, DS_GATE_UP or DS_DOWN) on its input in io and returns its output's address, which the caller keeps
+ * alive until that linear's next call. The rest stays here, with bf16 where the Python layers hand bf16 over
+ * (LlamaForCausalLM.use_bf16_edges): the norms write their linear's bf16 input (io[0]), o_proj, gate_up and
+ * down return bf16, the gate writes down's bf16 input (io[2]); qkv returns float32, the attention writes
+ * float32 (io[1]). Per layer that is four calls back into Python instead of about a dozen, and the delta of
+ * the last layer is the last DS_DOWN output (`delta` is not written).
+ * Returns 0, or the first failing kernel's nonzero code (an unsupported head shape; out of memory; -2: a
+ * callback failed).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -37,6 +47,8 @@ int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, co
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
                          const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv_bf16);
 
+typedef const void *(*ds_gemm_fn)(int64_t layer, int64_t which);
+
 /* The workspace's size in floats: h, qkv, the attention output, the o_proj output, gate_up, the gate's
  * output, and the attention kernel's scratch (threads * G * (Pcap + Lcap)). */
 int64_t decode_stack_workspace(int64_t T, int64_t N, int64_t Hkv, int64_t G, int64_t D, int64_t I, int64_t Lcap,
@@ -52,11 +64,37 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
                      const float *sin_t, int64_t half, const int64_t *rows, const int64_t *order,
                      const int64_t *lens, int64_t Lcap, float scale, const int64_t *entry, const int64_t *plen,
                      int64_t Pcap, const int64_t *new_pos, const int64_t *loc, int kv_bf16, float *ws,
-                     int threads) {
+                     int threads, ds_gemm_fn gemm, const int64_t *io) {
     const int64_t Hq = Hkv * G, Q = (Hq + 2 * Hkv) * D;
     float *h = ws, *qkv = h + T * N, *att = qkv + T * Q, *o = att + T * Hq * D, *gu = o + T * N;
     float *act = gu + T * 2 * I, *scratch = act + T * I;
     int rc = 0;
+    if (gemm) {
+        void *hb = (void *)(intptr_t)io[0], *actb = (void *)(intptr_t)io[2];
+        float *a = (float *)(intptr_t)io[1];
+        const void *d = NULL; /* the previous layer's down output, bf16 */
+        scratch = ws;         /* the workspace is the attention's scratch only (decode_stack_workspace at T = 0) */
+        for (int64_t l = 0; l < L && rc == 0; l++) {
+            add_rms_norm_f32(x, N, d, d ? N : 0, hb, PTR(l, DS_NORM_IN), T, N, eps, threads, 1, 1);
+            float *q = (float *)gemm(l, DS_QKV);
+            if (!q) { rc = -2; break; }
+            rope_f32(q, positions, cos_t, sin_t, T, Q, Hq + Hkv, D, half, threads);
+            if ((rc = decode_attention_f32(q, Q, PTR(l, DS_KT), PTR(l, DS_V), rows, order, lens, a, scratch, T, Hkv,
+                                           G, D, Lcap, scale, threads, PTR(l, DS_PREFIX_K), PTR(l, DS_PREFIX_V),
+                                           entry, plen, Pcap, layers[l * DS_COLS + DS_WINDOW], q + Hq * D, Q,
+                                           q + (Hq + Hkv) * D, Q, new_pos, PTR(l, DS_POOL_K), PTR(l, DS_POOL_V),
+                                           loc, kv_bf16)))
+                break;
+            const void *ob = gemm(l, DS_O);
+            if (!ob) { rc = -2; break; }
+            add_rms_norm_f32(x, N, ob, N, hb, PTR(l, DS_NORM_POST), T, N, eps, threads, 1, 1);
+            const void *gub = gemm(l, DS_GATE_UP);
+            if (!gub) { rc = -2; break; }
+            silu_mul_f32(gub, actb, T, I, threads, 1, 1);
+            if (!(d = gemm(l, DS_DOWN))) rc = -2;
+        }
+        return rc;
+    }
     for (int64_t l = 0; l < L && rc == 0; l++) {
         add_rms_norm_f32(x, N, l ? delta : NULL, l ? N : 0, h, PTR(l, DS_NORM_IN), T, N, eps, threads, 0, 0);
         if ((rc = linear_bf16w_f32(h, N, T, PTR(l, DS_QKV), Q, N, qkv, threads))) break;
