@@ -393,7 +393,7 @@ class NativeKernels:
         # With the callback the workspace is the attention's scratch only (its size at no rows).
         ws = torch.empty(self._stack_ws(t if gemm is None else 0, n, hkv, g, d, inter, layout.l_cap, p_cap, threads),
                          dtype=torch.float32)
-        delta = torch.empty_like(x) if gemm is None else x
+        delta = torch.empty_like(x) if gemm is None else x  # with the callback C writes no delta: any pointer
         rc = self._stack(x.data_ptr(), delta.data_ptr(), t, layers.data_ptr(), layers.shape[0], n, hkv, g, d, inter,
                        eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1], layout.rows.data_ptr(),
                        _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale, _ptr(layout.entry),
