@@ -79,6 +79,12 @@ def test_a_failing_linear_in_a_larger_step_raises_its_error(model_dir: str) -> N
     down.forward = broken  # type: ignore[method-assign]
     with pytest.raises(ValueError, match="down_proj broke"):
         on.forward(make_batch(seqs, ForwardMode.DECODE, [1] * 8))
+    # A linear that hands over another dtype than the C side reads: an error, never a misread buffer.
+    down.forward = lambda x: torch.zeros(8, on.model.config.hidden_size)  # float32
+    for s in seqs:
+        s.ids.append(6)
+    with pytest.raises(RuntimeError, match="down: torch.float32 output, the stack reads torch.bfloat16"):
+        on.forward(make_batch(seqs, ForwardMode.DECODE, [1] * 8))
 
 
 def test_rows_on_a_shared_prefix_and_a_sliding_window(model_dir: str, tmp_path: Path) -> None:

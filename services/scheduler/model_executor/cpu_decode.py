@@ -32,6 +32,9 @@ from services.scheduler.model_executor.forward_batch import ForwardBatch, Forwar
 from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _PREFIX_K = STACK_COLUMNS.index("prefix_k")
+# What decode_stack.c reads from each linear's output (in STACK_COLUMNS order): q, k and v in float32
+# for rotary and attention, bf16 into the norms' residual adds and the gate (use_bf16_edges).
+_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16)
 
 
 def unsupported(model: torch.nn.Module, backend: object, native: NativeKernels | None) -> str | None:
@@ -124,12 +127,13 @@ class NativeDecodeStack:
             self._error = None
             try:
                 self.native.decode_stack(*args, gemm=self._gemm, io=(h, self._inputs[1], self._inputs[3]))
+                delta = self._outputs[3]
             except RuntimeError as e:
                 if self._error is not None:
                     raise self._error from e
                 raise
-            delta = self._outputs[3]
-            self._inputs, self._outputs = [], [None] * 4
+            finally:
+                self._inputs, self._outputs = [], [None] * 4
         return model.logits(x, delta)
 
     def _linear(self, layer: int, which: int) -> int:
@@ -137,6 +141,9 @@ class NativeDecodeStack:
         the layer calls it; returns the output's address, kept until this linear's next call (0: it failed)."""
         try:
             y = self.linears[layer][which].forward(self._inputs[which])
+            if y.dtype != _OUTPUT_DTYPES[which] or not y.is_contiguous():  # what the C side reads next
+                raise RuntimeError(f"layer {layer} {STACK_COLUMNS[which]}: {y.dtype} output, the stack reads "
+                                   f"{_OUTPUT_DTYPES[which]} (contiguous: {y.is_contiguous()})")
             self._outputs[which] = y
             return y.data_ptr()
         except BaseException as e:  # noqa: BLE001 - an exception cannot cross the C frames: run() raises it
