@@ -27,7 +27,7 @@ import torch
 
 from services.scheduler.attention.backend import TorchSDPABackend
 from services.scheduler.kernels.cpu_kernels import STACK_COLUMNS, STACK_GEMM, DecodeLayout, NativeKernels, check_kv
-from services.scheduler.kernels.cpu_linear import BF16_SMALL_T, PackedLinear
+from services.scheduler.kernels.cpu_linear import PackedLinear
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -83,18 +83,17 @@ class NativeDecodeStack:
         self.eps = layer0.input_layernorm.eps
         self.scale = backend.scaling if backend.scaling is not None else first.head_dim ** -0.5
         self.windows = [w or 0 for w in backend.windows]
-        # Per layer, its weights in STACK_COLUMNS order: the parameters themselves, so that a weight
-        # update (copied in place) or anything that swaps their storage is read at the next step.
-        self.weights: list[list[torch.Tensor]] = []
-        # Per layer, its linears in STACK_COLUMNS order, for the callback of larger steps.
+        # Per layer, its linears in STACK_COLUMNS order (for the callback of larger steps), and its weights
+        # in that order: the parameters themselves, so that a weight update (copied in place) or anything
+        # that swaps their storage is read at the next step.
         self.linears: list[tuple[PackedLinear, ...]] = []
+        self.weights: list[list[torch.Tensor]] = []
         for layer in cast(list[LlamaDecoderLayer], list(model.layers)):
             attn, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)
-            self.weights.append([attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                                 mlp.down_proj.weight, layer.input_layernorm.weight,
-                                 layer.post_attention_layernorm.weight])
-            self.linears.append(cast(tuple[PackedLinear, ...], (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                 mlp.down_proj)))
+            linears = cast(tuple[PackedLinear, ...], (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            self.linears.append(linears)
+            self.weights.append([lin.weight for lin in linears] + [layer.input_layernorm.weight,
+                                                                   layer.post_attention_layernorm.weight])
         # A larger step's state for the callback: each linear's input (in STACK_COLUMNS order: the norms'
         # output twice, the attention's, the gate's), the outputs the C side still reads, the first error.
         self._inputs: list[torch.Tensor] = []
@@ -118,7 +117,7 @@ class NativeDecodeStack:
         args = (x, self._table(layout), self.heads, self.inter, self.eps, positions, model.rotary.cos,
                 model.rotary.sin, layout, self.scale, backend.kv_pool.dtype)
         t = x.shape[0]
-        if t < BF16_SMALL_T:
+        if self.linears[0][0].input_dtype(t) == torch.float32:  # the native linear kernel takes t rows
             delta = self.native.decode_stack(*args)
         else:
             hkv, g, d = self.heads
