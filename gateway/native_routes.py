@@ -93,7 +93,8 @@ def _output(item: _Item, sample: Sample, index: int | None) -> dict[str, Any]:
                 meta["input_top_logprobs"] = tops
     if m.HasField("timings"):
         meta["timings"] = MessageToDict(m.timings, preserving_proto_field_name=True)
-    out: dict[str, Any] = {"text": sample.text, "output_ids": list(sample.output_ids), "meta_info": meta}
+    # output_ids as is, not a copy: each event is serialized before the next message is absorbed.
+    out: dict[str, Any] = {"text": sample.text, "output_ids": sample.output_ids, "meta_info": meta}
     if index is not None:
         out["index"] = index
     return out
@@ -108,15 +109,20 @@ async def _stream_events(items: list[_Item], streams: list[AsyncIterator[pb.Gene
                          indexed: bool) -> AsyncIterator[dict[str, Any]]:
     """SGLang's stream: each event carries the cumulative text and ids of one sample."""
     samples: dict[tuple[int, int], Sample] = {}
+    first_index = [0] * len(items)  # of each prompt's samples: the samples of the prompts before it
+    for i in range(1, len(items)):
+        first_index[i] = first_index[i - 1] + _n(items[i - 1])
     gen = merge(streams)
     try:
         async for pi, msg in gen:
-            s = samples.setdefault((pi, msg.index), Sample(msg.index))
+            key = (pi, msg.index)
+            s = samples.get(key)
+            if s is None:
+                s = samples[key] = Sample(msg.index)
             s.absorb(msg)
             if not (msg.text or msg.output_ids or msg.finished):
                 continue
-            index = sum(_n(it) for it in items[:pi]) + msg.index
-            yield _output(items[pi], s, index if indexed else None)
+            yield _output(items[pi], s, first_index[pi] + msg.index if indexed else None)
     finally:
         await gen.aclose()
 

@@ -56,10 +56,14 @@ class UsageCounter:
         self.completion: dict[tuple[int, int], int] = {}
 
     def add(self, prompt_i: int, msg_index: int, meta: pb.MetaInfo) -> None:
-        self.prompt[prompt_i] = max(self.prompt.get(prompt_i, 0), meta.prompt_tokens)
-        self.cached[prompt_i] = max(self.cached.get(prompt_i, 0), meta.cached_tokens)
-        self.completion[(prompt_i, msg_index)] = max(self.completion.get((prompt_i, msg_index), 0),
-                                                     meta.completion_tokens)
+        # Once per streamed chunk: compare and store, no max() calls.
+        prompt, cached, completion = meta.prompt_tokens, meta.cached_tokens, meta.completion_tokens
+        if prompt > self.prompt.get(prompt_i, 0):
+            self.prompt[prompt_i] = prompt
+        if cached > self.cached.get(prompt_i, 0):
+            self.cached[prompt_i] = cached
+        if completion > self.completion.get((prompt_i, msg_index), 0):
+            self.completion[(prompt_i, msg_index)] = completion
 
     def usage(self) -> Usage:
         p, c = sum(self.prompt.values()), sum(self.completion.values())
@@ -122,19 +126,21 @@ async def render_stream(spec: RenderSpec,
     gen = merge(streams)
     try:
         async for pi, msg in gen:
-            fr = msg.meta_info.finish_reason
-            if msg.finished and fr.type not in FINISH_TYPES:
+            meta, text, finished = msg.meta_info, msg.text, msg.finished
+            fr = meta.finish_reason
+            finish = fr.type if finished else None
+            if finished and finish not in FINISH_TYPES:
                 raise finish_error(fr, spec.param_map)
-            usage.add(pi, msg.index, msg.meta_info)
+            usage.add(pi, msg.index, meta)
             index = pi * spec.n + msg.index
             first = index not in started
-            started.add(index)
-            finish = fr.type if msg.finished else None
+            if first:
+                started.add(index)
             choice: dict[str, Any] = {"index": index}
             if spec.chat:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
-                if msg.text or first:
-                    delta["content"] = msg.text
+                if text or first:
+                    delta["content"] = text
                 if msg.reasoning_text:
                     delta["reasoning_content"] = msg.reasoning_text
                 if msg.tool_calls:
@@ -142,17 +148,17 @@ async def render_stream(spec: RenderSpec,
                 choice["delta"] = delta
                 choice["logprobs"] = chat_logprobs(list(msg.logprobs)) if spec.logprobs else None
             else:
-                text = (spec.echo[pi] if spec.echo and first else "") + msg.text
+                shown = spec.echo[pi] + text if spec.echo and first else text
                 offset = chars.get(index, 0)
-                start = offset + (len(text) - len(msg.text))
-                chars[index] = offset + len(text)
-                choice["text"] = text
+                start = offset + (len(shown) - len(text))
+                chars[index] = offset + len(shown)
+                choice["text"] = shown
                 choice["logprobs"] = echo_logprobs(list(msg.input_logprobs), list(msg.logprobs), start) \
                     if spec.logprobs else None
             choice["finish_reason"] = finish
             if finish is not None:
                 choice["matched_stop"] = matched(fr)
-            if not (first or msg.text or finish or msg.logprobs or msg.reasoning_text or msg.tool_calls):
+            if not (first or text or finish or msg.logprobs or msg.reasoning_text or msg.tool_calls):
                 continue  # nothing new for the client (e.g. a counters-only message)
             chunk = {"id": spec.rid, "object": obj, "created": spec.created, "model": spec.model,
                      "choices": [choice]}

@@ -44,15 +44,22 @@ class Sample:
 
 def append_output(into: Sample | pb.GenerateResponse, msg: pb.GenerateResponse) -> None:
     """msg's new text, ids and logprobs after into's; its meta_info (the latest counts) replaces into's."""
+    # Once per token per request: the fields most messages leave empty are tested before they are
+    # touched (each protobuf field access builds a wrapper; an extend by nothing still costs one).
     into.text += msg.text
-    into.reasoning_text += msg.reasoning_text
-    into.tool_calls.extend(msg.tool_calls)
     into.output_ids.extend(msg.output_ids)
-    into.logprobs.extend(msg.logprobs)
-    into.input_logprobs.extend(msg.input_logprobs)
+    if msg.reasoning_text:
+        into.reasoning_text += msg.reasoning_text
+    if msg.tool_calls:
+        into.tool_calls.extend(msg.tool_calls)
+    if msg.logprobs:
+        into.logprobs.extend(msg.logprobs)
+    if msg.input_logprobs:
+        into.input_logprobs.extend(msg.input_logprobs)
     if msg.HasField("meta_info"):
         into.meta_info.CopyFrom(msg.meta_info)
-    into.finished = into.finished or msg.finished
+    if msg.finished:
+        into.finished = True
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -134,10 +134,11 @@ class TextDelta:
 
     @classmethod
     def from_pb(cls, pb: detokenizer_pb2.TextDelta) -> TextDelta:
-        return cls(rid=pb.rid, token_offset=pb.token_offset, ids=pb.ids[:], text_offset=pb.text_offset,
-                   text=pb.text, logprobs=Logprob.list_from_pb(pb.logprobs) if len(pb.logprobs) else [],
-                   finish=Finish.from_pb(pb.finish) if pb.HasField("finish") else None,
-                   prompt_tokens=pb.prompt_tokens, cached_tokens=pb.cached_tokens,
-                   timings=Timings.from_pb(pb.timings) if pb.HasField("timings") else None,
-                   input_logprobs=Logprob.list_from_pb(pb.input_logprobs) if len(pb.input_logprobs) else [],
-                   weight_version=pb.weight_version)
+        # Hot path, as TokenDelta.from_pb: positional arguments in field order.
+        return cls(pb.rid, pb.token_offset, pb.ids[:], pb.text_offset, pb.text,
+                   Logprob.list_from_pb(pb.logprobs) if len(pb.logprobs) else [],
+                   Finish.from_pb(pb.finish) if pb.HasField("finish") else None,
+                   pb.prompt_tokens, pb.cached_tokens,
+                   Timings.from_pb(pb.timings) if pb.HasField("timings") else None,
+                   Logprob.list_from_pb(pb.input_logprobs) if len(pb.input_logprobs) else [],
+                   pb.weight_version)

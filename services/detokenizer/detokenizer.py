@@ -168,7 +168,6 @@ class Detokenizer:
             # Timings travel on the last delta only: the scheduler's, plus this service's decode share.
             timings = replace(delta.timings or Timings(), detokenize_s=st.decode_s)
             log.debug("rid=%s finished (%s): %d ids, %d chars", st.rid, fin.type, st.n_ids, st.n_chars)
-        return TextDelta(rid=st.rid, token_offset=token_offset, ids=ids, text_offset=text_offset,
-                         text=text, logprobs=logprobs, finish=fin,
-                         prompt_tokens=st.params.prompt_tokens, cached_tokens=delta.cached_tokens,
-                         timings=timings, input_logprobs=input_logprobs, weight_version=delta.weight_version)
+        # Positional, in field order: once per request per step.
+        return TextDelta(st.rid, token_offset, ids, text_offset, text, logprobs, fin, st.params.prompt_tokens,
+                         delta.cached_tokens, timings, input_logprobs, delta.weight_version)

@@ -192,17 +192,25 @@ class GenerateOutput:
     weight_version: str = "default"  # of the weights of the scheduler serving it
 
     def to_pb(self) -> api_pb2.GenerateResponse:
-        meta = api_pb2.MetaInfo(id=self.rid, prompt_tokens=self.prompt_tokens,
-                                completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens,
-                                weight_version=self.weight_version)
+        # Once per request per step: meta_info is filled in place (a MetaInfo passed to the constructor
+        # is copied), and the fields most outputs leave empty are set only when they are not.
+        resp = api_pb2.GenerateResponse(rid=self.rid, index=self.index, text=self.text, output_ids=self.output_ids,
+                                        finished=self.finished)
+        meta = resp.meta_info
+        meta.id, meta.prompt_tokens, meta.completion_tokens = self.rid, self.prompt_tokens, self.completion_tokens
+        meta.cached_tokens, meta.weight_version = self.cached_tokens, self.weight_version
         if self.finished:
             if self.finish is not None:
                 meta.finish_reason.CopyFrom(self.finish.to_pb())
             meta.e2e_latency = self.e2e_latency
             if self.timings is not None:
                 meta.timings.CopyFrom(self.timings.to_pb())
-        return api_pb2.GenerateResponse(rid=self.rid, index=self.index, text=self.text, output_ids=self.output_ids,
-                                        logprobs=Logprob.list_to_pb(self.logprobs), finished=self.finished,
-                                        meta_info=meta, input_logprobs=Logprob.list_to_pb(self.input_logprobs),
-                                        reasoning_text=self.reasoning_text,
-                                        tool_calls=[c.to_pb() for c in self.tool_calls])
+        if self.logprobs:
+            resp.logprobs.extend(Logprob.list_to_pb(self.logprobs))
+        if self.input_logprobs:
+            resp.input_logprobs.extend(Logprob.list_to_pb(self.input_logprobs))
+        if self.reasoning_text:
+            resp.reasoning_text = self.reasoning_text
+        if self.tool_calls:
+            resp.tool_calls.extend(c.to_pb() for c in self.tool_calls)
+        return resp

@@ -310,6 +310,7 @@ class TokenizerManager:
     def on_deltas(self, deltas: list[TextDelta], hops_s: float = 0.0) -> None:
         """One detokenizer message; `hops_s`: how long its step took from the scheduler to here."""
         now = time.monotonic()
+        tokens = 0
         for d in deltas:
             s = self.rid_to_state.get(d.rid)
             if s is None:
@@ -319,12 +320,14 @@ class TokenizerManager:
             first, last = s.first_token_at, s.last_token_at
             new_ids = s.apply(d, now)
             if new_ids:
-                self.metrics.generation_tokens.inc(new_ids)
+                tokens += new_ids
                 if first is None:
                     self.metrics.ttft.observe(now - s.created)
                 elif last is not None:
                     self.metrics.itl.observe((now - last) / new_ids)
             s.event.set()
+        if tokens:
+            self.metrics.generation_tokens.inc(tokens)  # once per message, not per request
 
     def on_rejection(self, rid: str, status: grpc.StatusCode, message: str) -> None:
         s = self.rid_to_state.get(rid)
