@@ -70,11 +70,9 @@ def test_generate_stream_format(http: httpx.Client) -> None:
     assert events[-1] == "[DONE]"
     last: dict[int, dict] = {}
     for e in map(json.loads, events[:-1]):
-        # Each event holds the ids as of its own message (the gateway serializes before it reads on).
-        assert len(e["output_ids"]) == e["meta_info"]["completion_tokens"]
         prev = last.get(e["index"])
         if prev is not None:
-            assert (e["text"].startswith(prev["text"]) and e["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+            assert (e["text"].startswith(prev["text"])
                     and e["meta_info"]["completion_tokens"] > prev["meta_info"]["completion_tokens"])
         last[e["index"]] = e
     assert sorted(last) == [0, 1, 2, 3]
