@@ -78,9 +78,10 @@ def tokenize_input(req: GenerateInput, tok: ModelTokenizer) -> list[int]:
     if req.input_ids is not None:
         if not req.input_ids:
             raise InvalidArgument("input_ids", "must not be empty")
-        for i, t in enumerate(req.input_ids):
-            if not (0 <= t < tok.vocab_size):
-                raise InvalidArgument("input_ids", f"id {t} at position {i} is outside [0, {tok.vocab_size})")
+        vocab = tok.vocab_size  # asked once: on a real tokenizer it is a call into the library
+        if not (0 <= min(req.input_ids) and max(req.input_ids) < vocab):
+            i, t = next((i, t) for i, t in enumerate(req.input_ids) if not 0 <= t < vocab)
+            raise InvalidArgument("input_ids", f"id {t} at position {i} is outside [0, {vocab})")
         return list(req.input_ids)
     if req.text is None:
         raise InvalidArgument("input", "one of text, input_ids or chat is required")

@@ -33,9 +33,8 @@ class OneScheduler:
 
 async def test_last_delta_arriving_during_a_yield_is_still_delivered(model_dir: str) -> None:
     sched = OneScheduler()
-    # TEMPORARY (ignore below): ModelTokenizer.vocab_size in validation.py should be a read-only property.
     manager = TokenizerManager(ManagerSettings(owner="o", limits=Limits("m")),
-                               TextTokenizer.from_model(model_dir), sched, make_router("round_robin"))  # type: ignore[arg-type]  # TEMPORARY: restructure in progress
+                               TextTokenizer.from_model(model_dir), sched, make_router("round_robin"))
     gen = manager.generate(GenerateInput(rid="r", text="hi", stream=True))
     first = asyncio.ensure_future(anext(gen))
     await asyncio.sleep(0)  # let intake run and reach the wait for output

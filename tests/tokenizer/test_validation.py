@@ -137,6 +137,13 @@ def test_n_expansion_offsets_seed():
     assert [s.seed for s in run(sampling=dict(n=2)).samplings] == [None, None]
 
 
+def test_out_of_vocabulary_id_is_named_with_its_position():
+    for ids, bad in (([1, 2, 100, 3, -4], "id 100 at position 2"), ([7, -1], "id -1 at position 1")):
+        with pytest.raises(InvalidArgument) as e:
+            run(text=None, input_ids=ids)
+        assert e.value.message == f"input_ids: {bad} is outside [0, 100)"
+
+
 def test_input_ids_used_as_given():
     assert run(text=None, input_ids=[5, 6, 7]).input_ids == [5, 6, 7]
 
