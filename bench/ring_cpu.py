@@ -9,6 +9,8 @@ one scheduler and one detokenizer, N tokenizers and N gateways (gateway i on tok
 SGLang's bench_serving streams workload-B-shaped requests (token-id prompts, `--backend sglang`, the
 gateway's /generate) into every gateway at once. Per service it reports process CPU time (user +
 system, from /proc) over the streamed output tokens, and the tokens per second the ring carried.
+It also reports the requests per decode step (the scheduler's counters): each hop of the ring carries
+one step's tokens in one message, so this is the batch each message carried in the run.
 
 The anchor, in the same run: vLLM's CPU build on the same model (its forward is real), the same
 request shape through its OpenAI API; its API-server process's CPU per output token (its engine
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from bench import bench_serving
+from bench import bench_serving, step_profile
 from bench.model_info import resolve
 from bench.report import commit
 from bench.stats import RequestRecord
@@ -67,6 +69,7 @@ class RunCpu:
     duration_s: float
     failed: int
     services: list[ServiceCpu]
+    rows_per_step: float = math.nan  # requests per decode step (the ring's batch per message); nan: vLLM
 
     @property
     def tok_s(self) -> float:
@@ -97,6 +100,7 @@ class Ring:
         self.model, self.replicas, self.log_dir = model, replicas, log_dir
         self.procs: dict[str, list[ServiceProcess]] = {}
         self.gateway_urls: list[str] = []
+        self.scheduler_metrics = ""  # its /metrics URL
 
     def _start(self, name: str, module: str, *args: str, http: bool = False) -> str:
         port = free_port()
@@ -114,8 +118,11 @@ class Ring:
     def start(self) -> Ring:
         m = ["--model", str(self.model), "--metrics-port", "-1"]
         detok = self._start("detokenizer", "services.detokenizer", *m)
-        sched = self._start("scheduler", "services.scheduler", *m, "--detokenizer", detok, "--synthetic-forward",
+        metrics_port = free_port()  # the scheduler's step counters (rows per decode step)
+        sched = self._start("scheduler", "services.scheduler", "--model", str(self.model), "--metrics-port",
+                            str(metrics_port), "--detokenizer", detok, "--synthetic-forward",
                             "--max-running-requests", "512")
+        self.scheduler_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         for _ in range(self.replicas):
             tok = self._start("tokenizer", "services.tokenizer", *m, "--scheduler", sched, "--detokenizer", detok)
             gw = self._start("gateway", "gateway", "--tokenizer", tok, http=True)
@@ -173,8 +180,11 @@ def run_ring(model: Path, replicas: int, w: Workload, out: Path) -> RunCpu:
         warm(ring.gateway_urls, model, "sglang", out)
         log(f"ringserve x{replicas}: {w.num_prompts} requests, {w.input_len} in / {w.output_len} out, "
             f"concurrency {w.max_concurrency}")
-        return measure(ring.pids(), lambda: drive(w, ring.gateway_urls, model, "sglang", out),
-                       f"ringserve x{replicas}")
+        steps = step_profile.scrape(ring.scheduler_metrics)
+        run = measure(ring.pids(), lambda: drive(w, ring.gateway_urls, model, "sglang", out),
+                      f"ringserve x{replicas}")
+        steps = step_profile.delta(steps, step_profile.scrape(ring.scheduler_metrics))
+        return replace(run, rows_per_step=step_profile.summary(steps)["decode_batch"])
     finally:
         ring.stop()
 
@@ -196,14 +206,15 @@ def run_vllm(model: Path, w: Workload, out: Path) -> RunCpu:
 
 
 def table(runs: list[RunCpu]) -> str:
-    lines = ["| target | output tokens | tok/s | gateway | tokenizer | detokenizer | ring total | scheduler |"
-             " vLLM API server |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | output tokens | tok/s | requests per decode step | gateway | tokenizer | detokenizer |"
+             " ring total | scheduler | vLLM API server |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         us = {s.service: f"{s.us_per_token:,.1f}" for s in r.services}
         if any(n in us for n in RING):
             us["ring"] = f"{r.ring_us_per_token():,.1f}"
         cells = " | ".join(us.get(n, "") for n in (*RING, "ring", "scheduler", "vllm-api-server"))
-        lines.append(f"| {r.target} | {r.output_tokens:,} | {r.tok_s:,.0f} | {cells} |")
+        rows = "" if math.isnan(r.rows_per_step) else f"{r.rows_per_step:.1f}"
+        lines.append(f"| {r.target} | {r.output_tokens:,} | {r.tok_s:,.0f} | {rows} | {cells} |")
     return "\n".join(lines) + "\n\nCPU microseconds per streamed output token (process CPU time / tokens); " \
         "replicas of a service summed."
 
@@ -227,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                  output_len=args.output_len, max_concurrency=args.max_concurrency, seed=2)
     runs = [run_ring(model, int(n), w, out) for n in args.replicas.split(",") if n.strip()]
     for r in runs:
-        log(f"{r.target}: {r.output_tokens:,} tokens at {r.tok_s:,.0f} tok/s, ring {r.ring_us_per_token():,.1f} "
-            f"us/token ({', '.join(f'{s.service} {s.us_per_token:,.1f}' for s in r.services)})")
+        log(f"{r.target}: {r.output_tokens:,} tokens at {r.tok_s:,.0f} tok/s, {r.rows_per_step:.1f} requests per "
+            f"decode step, ring {r.ring_us_per_token():,.1f} us/token "
+            f"({', '.join(f'{s.service} {s.us_per_token:,.1f}' for s in r.services)})")
     if args.vllm_prompts > 0:
         runs.append(run_vllm(model, replace(w, num_prompts=args.vllm_prompts), out))
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit(), "model": model.name,

@@ -38,8 +38,10 @@ def test_table_sums_the_ring_and_keeps_the_scheduler_apart() -> None:
     run = RunCpu("ringserve x1", 1000, 2.0, 0, [ServiceCpu("gateway", 1, 0.01, 1000),
                                                 ServiceCpu("tokenizer", 1, 0.02, 1000),
                                                 ServiceCpu("detokenizer", 1, 0.03, 1000),
-                                                ServiceCpu("scheduler", 1, 0.5, 1000)])
+                                                ServiceCpu("scheduler", 1, 0.5, 1000)], rows_per_step=21.26)
+    vllm = RunCpu("vllm", 100, 1.0, 0, [ServiceCpu("vllm-api-server", 1, 0.02, 100)])
     assert math.isclose(run.ring_us_per_token(), 60.0)
     assert run.tok_s == 500
-    text = table([run])
-    assert "| ringserve x1 | 1,000 | 500 | 10.0 | 20.0 | 30.0 | 60.0 | 500.0 |  |" in text
+    text = table([run, vllm])
+    assert "| ringserve x1 | 1,000 | 500 | 21.3 | 10.0 | 20.0 | 30.0 | 60.0 | 500.0 |  |" in text
+    assert "| vllm | 100 | 100 |  |  |  |  |  |  | 200.0 |" in text
