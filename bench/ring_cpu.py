@@ -116,12 +116,12 @@ class Ring:
         return target
 
     def start(self) -> Ring:
-        m = ["--model", str(self.model), "--metrics-port", "-1"]
+        model = ["--model", str(self.model)]
+        m = [*model, "--metrics-port", "-1"]
         detok = self._start("detokenizer", "services.detokenizer", *m)
         metrics_port = free_port()  # the scheduler's step counters (rows per decode step)
-        sched = self._start("scheduler", "services.scheduler", "--model", str(self.model), "--metrics-port",
-                            str(metrics_port), "--detokenizer", detok, "--synthetic-forward",
-                            "--max-running-requests", "512")
+        sched = self._start("scheduler", "services.scheduler", *model, "--metrics-port", str(metrics_port),
+                            "--detokenizer", detok, "--synthetic-forward", "--max-running-requests", "512")
         self.scheduler_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         for _ in range(self.replicas):
             tok = self._start("tokenizer", "services.tokenizer", *m, "--scheduler", sched, "--detokenizer", detok)

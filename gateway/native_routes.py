@@ -9,6 +9,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -109,9 +110,7 @@ async def _stream_events(items: list[_Item], streams: list[AsyncIterator[pb.Gene
                          indexed: bool) -> AsyncIterator[dict[str, Any]]:
     """SGLang's stream: each event carries the cumulative text and ids of one sample."""
     samples: dict[tuple[int, int], Sample] = {}
-    first_index = [0] * len(items)  # of each prompt's samples: the samples of the prompts before it
-    for i in range(1, len(items)):
-        first_index[i] = first_index[i - 1] + _n(items[i - 1])
+    first_index = [0, *accumulate(_n(it) for it in items[:-1])]  # a prompt's first choice index
     gen = merge(streams)
     try:
         async for pi, msg in gen:
