@@ -20,7 +20,10 @@
  *   whose request shares that prompt prefix; entry == NULL: none), the rest from the row's own buffer,
  *   starting at its index 0. With the batch's keys far larger than the cache, the kernel waits on
  *   memory unless the next (request, KV head)'s keys are prefetched while this one computes: -16 %
- *   at 64 rows of ~360 keys (4.5M-parameter model).
+ *   at 64 rows of ~360 keys (4.5M-parameter model). Into L2, not L1 (prefetcht1): the next task's K
+ *   and V (96 KB at 384 keys of SmolLM2's heads in bf16) do not fit in L1 beside the ones being read,
+ *   so prefetching them there evicted this task's lines; 30 layers x 64 rows x ~390 keys, bf16, 2
+ *   threads (Xeon, AMX): 33-35 -> 30-31 ms, 10 % less at 100 and 1,000 keys and at 8 rows, 3 % in float32.
  *   q [B, H, G, D] with rows q_stride floats apart; kt [Bcap, H, D, Lcap]; v [Bcap, H, Lcap, D];
  *   out [B, H, G, D]; pk [E, H, D, Pcap]; pv [E, H, Pcap, D]; lens, entry, plen [Bcap]
  *   kn, vn (or NULL): the step's new keys and values [B, H, D], rows kn_stride / vn_stride floats apart,
@@ -121,7 +124,7 @@ static inline __attribute__((always_inline)) void scores_x16(const float *restri
         for (int64_t d = 0; d < D; d++) {
             const uint16_t *row = kb + d * cap + off + l0;
             if (pf)
-                for (int64_t c = 0; c < W; c += 32) __builtin_prefetch(pf + d * cap + off + l0 + c, 0, 3);
+                for (int64_t c = 0; c < W; c += 32) __builtin_prefetch(pf + d * cap + off + l0 + c, 0, 2);
             __m512 e[2], o[2];
             for (int64_t v = 0; v < NV; v++) {
                 const __m512i r = _mm512_maskz_loadu_epi16(m[v], row + 32 * v);
@@ -165,7 +168,7 @@ static inline __attribute__((always_inline)) void weigh_x16(float acc[GMAX][DMAX
     for (int64_t l = 0; l < n; l++) {
         const uint16_t *row = vb + (off + l) * D;
         if (pf)
-            for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(pf + l * D + c, 0, 3);
+            for (int64_t c = 0; c < D; c += 32) __builtin_prefetch(pf + l * D + c, 0, 2);
         __m512 e[8], o[8];
         for (int64_t v = 0; v < NV; v++) {
             const __m512i r = _mm512_loadu_si512(row + 32 * v);
@@ -211,7 +214,7 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
             for (int64_t d = 0; d < D; d++) {
                 const int64_t at = d * cap + off + l0;
                 if (pf)
-                    for (int64_t c = 0; c < W; c += line) __builtin_prefetch(KV_AT(pf, at + c, BF), 0, 3);
+                    for (int64_t c = 0; c < W; c += line) __builtin_prefetch(KV_AT(pf, at + c, BF), 0, 2);
                 for (int64_t g = 0; g < G; g++) {
                     const float qd = qb[g * D + d];
 #pragma omp simd
@@ -263,7 +266,7 @@ static inline __attribute__((always_inline)) void weigh(float acc[GMAX][DMAX], c
     for (int64_t l = 0; l < n; l++) {
         const int64_t at = (off + l) * D;
         if (pf)
-            for (int64_t c = 0; c < D; c += line) __builtin_prefetch(KV_AT(pf, l * D + c, BF), 0, 3);
+            for (int64_t c = 0; c < D; c += line) __builtin_prefetch(KV_AT(pf, l * D + c, BF), 0, 2);
         for (int64_t g = 0; g < G; g++) {
             const float pg = p[g * S + l];
 #pragma omp simd
