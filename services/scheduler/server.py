@@ -27,6 +27,7 @@ from services.scheduler.memory import MemoryBudgetError
 from services.scheduler.models import ARCHITECTURES
 from services.scheduler.rpc.direct_sink import OutputRouter
 from services.scheduler.rpc.metrics import SchedulerMetrics
+from services.scheduler.rpc.own_thread import in_own_thread
 from services.scheduler.rpc.pusher import DetokenizerPusher
 from services.scheduler.rpc.servicer import SchedulerServicer
 from services.scheduler.rpc.sglang_servicer import SERVICE_NAME as SGLANG_SERVICE_NAME
@@ -105,14 +106,14 @@ class SchedulerServer:
         t0 = time.monotonic()
         grammar_metrics = GrammarMetrics(cfg.model)  # queue and masker update it themselves
         try:
-            engine = await asyncio.to_thread(Engine, cfg.engine, None, grammar_metrics)
+            engine = await in_own_thread(Engine, cfg.engine, None, grammar_metrics)  # rpc/own_thread.py: why
         except MemoryBudgetError:  # __main__ prints it; the gRPC servers go down cleanly first
             await self.grpc.drain(0.0)
             if self.sglang_grpc is not None:
                 await self.sglang_grpc.drain(0.0)
             raise
         log.info("model %s loaded in %.1fs; warming up", cfg.model, time.monotonic() - t0)
-        await asyncio.to_thread(engine.warmup)
+        await in_own_thread(engine.warmup)
         log.info("warm-up done; KV pool %d tokens", engine.max_total_num_tokens)
         self.metrics = SchedulerMetrics(cfg.model, PAGE_SIZE, engine.max_total_num_tokens, engine.load,
                                         engine.stats, engine.memory_items)

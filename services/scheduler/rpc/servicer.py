@@ -20,6 +20,7 @@ from services.scheduler.core import control
 from services.scheduler.core.engine import Engine
 from services.scheduler.core.profiler import ProfileOptions
 from services.scheduler.core.req import Req
+from services.scheduler.rpc.own_thread import in_own_thread
 
 log = logging.getLogger(__name__)
 _END = object()  # marks the end of a Connect stream's outgoing queue
@@ -107,33 +108,33 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return self._info()
 
     async def FlushCache(self, request, context) -> scheduler_pb2.SchedulerServiceFlushCacheResponse:
-        ok, message = await asyncio.to_thread(self._engine().flush_cache)
+        ok, message = await in_own_thread(self._engine().flush_cache)
         return scheduler_pb2.SchedulerServiceFlushCacheResponse(success=ok, message=message)
 
-    # -- operations (core/control.py; each blocks a worker thread, never the event loop) -----------
+    # -- operations (core/control.py; each blocks a thread of its own, never the event loop) -------
 
     async def AbortAll(self, request, context) -> scheduler_pb2.AbortAllResponse:
-        n = await asyncio.to_thread(control.abort_all, self._engine(), request.message or "aborted")
+        n = await in_own_thread(control.abort_all, self._engine(), request.message or "aborted")
         return scheduler_pb2.AbortAllResponse(num_aborted=n)
 
     async def PauseGeneration(self, request, context) -> scheduler_pb2.SchedulerServicePauseGenerationResponse:
         mode = _PAUSE_MODES.get(request.mode)
         if mode is None:
             raise InvalidArgument("mode", f"unknown pause mode {request.mode}")
-        n = await asyncio.to_thread(control.pause, self._engine(), mode)
+        n = await in_own_thread(control.pause, self._engine(), mode)
         return scheduler_pb2.SchedulerServicePauseGenerationResponse(num_requests=n)
 
     async def ContinueGeneration(self, request, context) -> scheduler_pb2.SchedulerServiceContinueGenerationResponse:
-        was = await asyncio.to_thread(control.resume, self._engine())
+        was = await in_own_thread(control.resume, self._engine())
         return scheduler_pb2.SchedulerServiceContinueGenerationResponse(was_paused=was)
 
     async def UpdateWeightsFromDisk(self, request,
                                     context) -> scheduler_pb2.SchedulerServiceUpdateWeightsFromDiskResponse:
         if not request.model_path:
             raise InvalidArgument("model_path", "required")
-        r = await asyncio.to_thread(control.update_weights, self._engine(), request.model_path,
-                                    request.load_format, request.abort_all_requests, request.weight_version,
-                                    request.drain_timeout_s)
+        r = await in_own_thread(control.update_weights, self._engine(), request.model_path,
+                                request.load_format, request.abort_all_requests, request.weight_version,
+                                request.drain_timeout_s)
         return scheduler_pb2.SchedulerServiceUpdateWeightsFromDiskResponse(success=r.success, message=r.message,
                                                    num_paused_requests=r.num_paused_requests,
                                                    weight_version=r.weight_version)
@@ -142,21 +143,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         opts = ProfileOptions(request.output_dir, request.num_steps if request.HasField("num_steps") else None,
                               list(request.activities), request.with_stack, request.record_shapes,
                               request.profile_prefix)
-        message = await asyncio.to_thread(control.start_profile, self._engine(), opts)
+        message = await in_own_thread(control.start_profile, self._engine(), opts)
         return scheduler_pb2.SchedulerServiceStartProfileResponse(message=message)
 
     async def StopProfile(self, request, context) -> scheduler_pb2.SchedulerServiceStopProfileResponse:
-        files = await asyncio.to_thread(control.stop_profile, self._engine())
+        files = await in_own_thread(control.stop_profile, self._engine())
         return scheduler_pb2.SchedulerServiceStopProfileResponse(trace_files=files)
 
     async def LoadLoraAdapter(self, request, context) -> scheduler_pb2.SchedulerServiceLoadLoraAdapterResponse:
-        rank = await asyncio.to_thread(control.load_lora, self._engine(), LoraAdapter.from_pb(request.adapter))
+        rank = await in_own_thread(control.load_lora, self._engine(), LoraAdapter.from_pb(request.adapter))
         return scheduler_pb2.SchedulerServiceLoadLoraAdapterResponse(rank=rank)
 
     async def UnloadLoraAdapter(self, request, context) -> scheduler_pb2.SchedulerServiceUnloadLoraAdapterResponse:
         if not request.lora_name:
             raise InvalidArgument("lora_name", "required")
-        await asyncio.to_thread(control.unload_lora, self._engine(), request.lora_name)
+        await in_own_thread(control.unload_lora, self._engine(), request.lora_name)
         return scheduler_pb2.SchedulerServiceUnloadLoraAdapterResponse()
 
 

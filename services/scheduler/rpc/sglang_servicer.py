@@ -40,6 +40,7 @@ from services.scheduler.config import SchedulerServerConfig
 from services.scheduler.core.engine import Engine
 from services.scheduler.core.req import Req
 from services.scheduler.rpc.direct_sink import DirectStream, OutputRouter
+from services.scheduler.rpc.own_thread import in_own_thread
 from services.scheduler.rpc.sglang_convert import GenerateCall, ModelFacts, chunk_pb, complete_pb
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ class SglangServicer(pb2_grpc.SglangSchedulerServicer):
         engine = self._engine()
         if request.timeout_s > 0:
             await asyncio.to_thread(engine.wait_idle, request.timeout_s)
-        ok, message = await asyncio.to_thread(engine.flush_cache)
+        ok, message = await in_own_thread(engine.flush_cache)
         return common_pb2.FlushCacheResponse(success=ok, message=message)
 
     # -- not served here ---------------------------------------------------------------------------

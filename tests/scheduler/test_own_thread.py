@@ -1,0 +1,97 @@
+"""in_own_thread: the engine's work off the engine thread runs in a thread that has ended (and taken its
+OpenMP team with it) by the time the caller has the result."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from services.scheduler.rpc.own_thread import in_own_thread
+
+
+def test_returns_the_result_from_a_thread_that_has_ended() -> None:
+    ran_on: list[threading.Thread] = []
+
+    def work(a: int, b: int) -> int:
+        ran_on.append(threading.current_thread())
+        return a + b
+
+    async def main() -> int:
+        return await in_own_thread(work, 2, 3)
+
+    assert asyncio.run(main()) == 5
+    assert ran_on[0] is not threading.main_thread() and not ran_on[0].is_alive()
+
+
+def test_raises_what_the_function_raised() -> None:
+    def work() -> None:
+        raise ValueError("bad adapter")
+
+    async def main() -> None:
+        await in_own_thread(work)
+
+    with pytest.raises(ValueError, match="bad adapter"):
+        asyncio.run(main())
+
+
+def test_a_cancelled_wait_leaves_the_function_to_finish() -> None:
+    release, finished = threading.Event(), threading.Event()
+
+    def work() -> str:
+        release.wait(30)
+        finished.set()
+        return "done"
+
+    async def main() -> None:
+        task = asyncio.create_task(in_own_thread(work))
+        await asyncio.sleep(0)  # the thread is started
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)  # at once: it does not wait for the function
+        assert not finished.is_set()
+        release.set()
+        await asyncio.to_thread(finished.wait, 30)
+        await asyncio.sleep(0)  # its result is dropped without an error on the loop
+
+    asyncio.run(main())
+    assert finished.is_set()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="libgomp starts no team on one CPU")
+def test_torch_openmp_workers_do_not_outlive_the_call() -> None:
+    """The OpenMP workers a parallel torch op starts are gone afterwards, where asyncio.to_thread's
+    pool thread keeps its team (the libgomp behaviour that made the forward's workers sleep)."""
+    script = textwrap.dedent("""
+        import asyncio, os, torch
+        from services.scheduler.rpc.own_thread import in_own_thread
+
+        def parallel_op():
+            # A new thread's OpenMP default: a team of one thread per CPU. (Not torch.set_num_threads,
+            # which also starts a pool of its own, pthreadpool's, that lives on.)
+            torch.ones(1 << 22).add_(1)  # far above ATen's grain size: a parallel region
+
+        def threads():
+            return len(os.listdir("/proc/self/task"))
+
+        async def main():
+            await asyncio.to_thread(lambda: None)  # the pool's first thread, before counting
+            before = threads()
+            await in_own_thread(parallel_op)
+            own = threads() - before
+            await asyncio.to_thread(parallel_op)
+            pool = threads() - before
+            print(own, pool)
+
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), check=True).stdout.split()
+    own, pool = int(out[0]), int(out[1])
+    assert own == 0
+    assert pool >= 1  # the control: the pool thread keeps its team's worker
