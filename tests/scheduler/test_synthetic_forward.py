@@ -20,8 +20,14 @@ def test_tokens_avoid_eos_and_low_ids() -> None:
 
 
 def test_engine_emits_synthetic_tokens(model_dir: str) -> None:
-    engine = Engine(EngineConfig(model=model_dir, device="cpu", synthetic_forward=True,
-                                 chunked_prefill_size=16))
+    threads = torch.get_num_threads()
+    try:
+        engine = Engine(EngineConfig(model=model_dir, device="cpu", synthetic_forward=True,
+                                     chunked_prefill_size=16))
+        # One CPU thread: no OpenMP worker left to spin on a core the benchmarked services need.
+        assert torch.get_num_threads() == 1 and engine.runner.prefill_threads == engine.runner.decode_threads == 1
+    finally:
+        torch.set_num_threads(threads)  # torch's count is process-wide: the next tests keep theirs
     prompts = [list(range(300, 340)), list(range(500, 507)), list(range(500, 507))]
     outs = [r.output_ids for r in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))]
     assert [len(o) for o in outs] == [12, 12, 12]  # never EOS: every request runs to max_new_tokens

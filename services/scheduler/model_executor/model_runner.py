@@ -75,6 +75,11 @@ class ModelRunner:
                         "differs from float32 at near-ties)")
         if num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
+        elif synthetic_forward and self.device.type == "cpu":
+            # No model runs: the steps' only parallel regions are the synthetic logits and their
+            # sampling, after which a second OpenMP thread spins for milliseconds on the core the
+            # services driven by the benchmark need (bench-ring: 5.2-5.4k -> 10k tok/s carried).
+            torch.set_num_threads(1)
         # Prefill is GEMM-bound and gains from every core; a decode step is short, and its threads'
         # barriers stall whenever another process (the services, on a shared machine) takes a core.
         self.prefill_threads = torch.get_num_threads()
