@@ -78,7 +78,7 @@ class ModelRunner:
         elif synthetic_forward and self.device.type == "cpu":
             # No model runs: the steps' only parallel regions are the synthetic logits and their
             # sampling, after which a second OpenMP thread spins for milliseconds on the core the
-            # services driven by the benchmark need (bench-ring: 5.2-5.4k -> 10k tok/s carried).
+            # services driven by the benchmark need (bench-ring: 5.2-5.4k -> 8.3-9.4k tok/s carried).
             torch.set_num_threads(1)
         # Prefill is GEMM-bound and gains from every core; a decode step is short, and its threads'
         # barriers stall whenever another process (the services, on a shared machine) takes a core.
