@@ -2,7 +2,7 @@
 
     python -m bench [--quick] [--targets gateway,native,grpc,engine,vllm,transformers]
                     [--models tiny,100m,smollm2-135m-instruct] [--workloads A,B,C,D]
-                    [--repeats N] [--stream-interval N] [--lora N] [--dtype D] [--out DIR]
+                    [--repeats N] [--stream-interval N] [--lora N] [--dtype D] [--kv-cache-dtype K] [--out DIR]
 
 Same model, same workloads, one target at a time (2 cores: nothing else should run meanwhile).
 Writes DIR/results.json, DIR/results.md (the table) and PNG plots; prints the table at the end.
@@ -23,6 +23,8 @@ from bench.model_info import resolve
 from bench.targets import DESCRIPTIONS, TARGETS, RunResult, run_model
 from bench.venvs import CACHE, log
 from bench.workloads import select, workloads
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # names ringserve and vLLM share
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -47,6 +49,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="every server's --dtype: best, float32 or bfloat16, one for all models or a comma "
                          "list, one per --models entry. best: bfloat16 where this CPU has AVX512-BF16 or AMX, "
                          "else float32 (default)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="every server's --kv-cache-dtype (default auto: each server's own choice for its "
+                         "--dtype; both take these names)")
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     dtypes = [d.strip() for d in args.dtype.split(",")]
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             "stream_interval": args.stream_interval,
             "lora_adapters": args.lora,
             "dtypes": {},  # model directory name -> the dtype both servers ran it in
+            "kv_cache_dtype": args.kv_cache_dtype,
             "targets": {t: DESCRIPTIONS[t] for t in args.targets},
             "workloads": [w.__dict__ | {"request_rate": str(w.request_rate)} for w in wls]}
     results: list[RunResult] = []
@@ -101,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     atexit.register(lambda: log(f"results in {out}"))
     log(f"workloads: {', '.join(w.name for w in wls)}; targets: {', '.join(args.targets)}; "
-        f"dtypes: {', '.join(f'{m} {d}' for m, d in args.model_dtypes)}; out: {out}")
+        f"dtypes: {', '.join(f'{m} {d}' for m, d in args.model_dtypes)}, KV cache {args.kv_cache_dtype}; "
+        f"out: {out}")
     load = os.getloadavg()[0]
     if load > 0.5:
         log(f"warning: the machine is busy (1-min load average {load:.1f}); numbers will be noisy "
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve(name)
         meta["dtypes"][model.name] = dtype
         run_model(args.targets, model, wls, args.quick, out, emit, args.stream_interval, args.repeats, args.lora,
-                  dtype)
+                  dtype, args.kv_cache_dtype)
     report.write(out, results, meta)
     made = plots.all_plots(results, out)
     print("\n" + report.markdown(results) + "\n", flush=True)

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_malloc()  # as the scheduler service does
 
-    engine = Engine(EngineConfig(model=str(args.model), dtype=args.dtype))
+    engine = Engine(EngineConfig(model=str(args.model), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype))
     engine.warmup()
     size, special = vocab(args.model)
     results = []

@@ -109,6 +109,8 @@ def caption(run: Run, model: str) -> str:
     repeats = run.meta.get("repeats", 1)
     started = run.meta.get("started", "date not recorded")
     dtype = run.meta.get("dtypes", {}).get(model, "float32")  # runs before --dtype were float32 throughout
+    kv = run.meta.get("kv_cache_dtype", "auto")
+    dtype += f", KV cache {kv}" if kv != "auto" else ""
     return (f"**{model}** ({MODELS.get(model, 'a model directory')}; both servers in {dtype}). Run {started}, "
             f"commit `{commit}`, {where}{busy}. Command: `{command(run.meta)}`. Output tokens/s of the median of "
             f"{repeats} repeat{'s' if repeats != 1 else ''} and its ratio to vLLM CPU in the same run; "

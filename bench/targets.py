@@ -114,14 +114,15 @@ def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str,
 
 
 def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit,
-                  stream_interval: int = 1, repeats: int = 1, lora: int = 0, dtype: str = "float32") -> None:
+                  stream_interval: int = 1, repeats: int = 1, lora: int = 0, dtype: str = "float32",
+                  kv_cache_dtype: str = "auto") -> None:
     from bench.lora import make_adapters
     from bench.ringserve_server import start_ringserve
 
     adapters = make_adapters(model, lora, out / "lora") if lora else []
     names = [n for n, _ in adapters] or None
     lora_flags = ["--lora-paths", *(f"{n}={p}" for n, p in adapters)] if adapters else []
-    sched_args = f"--stream-interval {stream_interval} --dtype {dtype}"
+    sched_args = f"--stream-interval {stream_interval} --dtype {dtype} --kv-cache-dtype {kv_cache_dtype}"
     sglang_port = free_port()
     if "smg" in targets:
         sched_args += f" --sglang-grpc-port {sglang_port}"  # smg's worker: the same scheduler
@@ -183,11 +184,12 @@ def _start_smg(targets: list[str], model: Path, wls: list[Workload], worker: str
 
 
 def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_interval: int = 1,
-             repeats: int = 1, dtype: str = "float32") -> None:
+             repeats: int = 1, dtype: str = "float32", kv_cache_dtype: str = "auto") -> None:
     from bench.vllm_server import start_vllm
 
     try:
-        srv, base = start_vllm(model, model.name, dtype=dtype, extra=["--stream-interval", str(stream_interval)])
+        srv, base = start_vllm(model, model.name, dtype=dtype, extra=["--stream-interval", str(stream_interval),
+                                                                      "--kv-cache-dtype", kv_cache_dtype])
     except Exception as e:
         _fail_all(["vllm"], model, wls, "failed", f"vLLM did not start: {str(e)[-1200:]}", emit)
         return
@@ -200,7 +202,8 @@ def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_int
         srv.stop()
 
 
-def run_engine(model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit, dtype: str = "float32") -> None:
+def run_engine(model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit, dtype: str = "float32",
+               kv_cache_dtype: str = "auto") -> None:
     if importlib.util.find_spec("services.scheduler.core.engine") is None:
         _fail_all(["engine"], model, wls, "skipped", "services.scheduler.core.engine is not there yet", emit)
         return
@@ -208,7 +211,8 @@ def run_engine(model: Path, wls: list[Workload], quick: bool, out: Path, emit: E
     res_file.parent.mkdir(parents=True, exist_ok=True)
     log_file = res_file.with_suffix(".log")
     cmd = [sys.executable, "-m", "bench.engine_target", "--model", str(model), "--out", str(res_file),
-           "--workloads", ",".join(w.name for w in wls), "--dtype", dtype, *(["--quick"] if quick else [])]
+           "--workloads", ",".join(w.name for w in wls), "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype,
+           *(["--quick"] if quick else [])]
     log(f"engine in-process for {model.name} (log: {log_file})")
     t0 = time.monotonic()
     with log_file.open("w") as lf:
@@ -267,16 +271,17 @@ def parse_scheduler_bench(text: str) -> dict[str, dict[str, float]]:
 
 
 def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit,
-              stream_interval: int = 1, repeats: int = 1, lora: int = 0, dtype: str = "float32") -> None:
+              stream_interval: int = 1, repeats: int = 1, lora: int = 0, dtype: str = "float32",
+              kv_cache_dtype: str = "auto") -> None:
     """Every selected target on one model, one server at a time (they would compete for 2 cores).
     Both servers stream every `stream_interval` tokens (--stream-interval on each); the served
     targets run each workload `repeats` times and report the median run."""
     groups: list[tuple[list[str], Callable[[], None]]] = [
         (list(RINGSERVE_TARGETS), lambda: run_ringserve([t for t in targets if t in RINGSERVE_TARGETS],
                                                         model, wls, out, emit, stream_interval, repeats, lora,
-                                                        dtype)),
-        (["engine"], lambda: run_engine(model, wls, quick, out, emit, dtype)),
-        (["vllm"], lambda: run_vllm(model, wls, out, emit, stream_interval, repeats, dtype)),
+                                                        dtype, kv_cache_dtype)),
+        (["engine"], lambda: run_engine(model, wls, quick, out, emit, dtype, kv_cache_dtype)),
+        (["vllm"], lambda: run_vllm(model, wls, out, emit, stream_interval, repeats, dtype, kv_cache_dtype)),
         (["transformers"], lambda: run_transformers(model, wls, out, emit)),
     ]
     for names, fn in groups:

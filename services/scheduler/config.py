@@ -25,9 +25,10 @@ class EngineConfig:
         "bfloat16 where the CPU has AVX512-BF16 or AMX, else float32). bfloat16 on CPU: bf16 linear weights and "
         "GEMMs and bf16 KV cache (--kv-cache-dtype), float32 activations"))
     kv_cache_dtype: str = field(default="auto", metadata=_h(
-        "the KV cache's dtype: auto, float32 or bfloat16. auto: the activations' dtype, but bfloat16 on CPU "
-        "with bf16 linears (--dtype bfloat16). bfloat16 on CPU float32 halves what attention reads (the C "
-        "kernels widen it as they read; greedy output then differs from float32 at near-ties)"))
+        "the KV cache's dtype: auto, float32, bfloat16, fp8_e4m3 or fp8_e5m2. auto: the activations' dtype, but "
+        "bfloat16 on CPU with bf16 linears (--dtype bfloat16). bfloat16 on CPU float32 halves what attention "
+        "reads (the C kernels widen it as they read; greedy output then differs from float32 at near-ties); "
+        "fp8 (CPU C kernels, no scale: values saturate at 448 / 57344) halves it again"))
     max_total_tokens: int | None = field(default=None, metadata=_h("KV pool size in tokens (default: from memory)"))
     mem_fraction: float = field(default=0.85, metadata=_h("share of free GPU memory for the KV pool"))
     max_running_requests: int = field(default=256, metadata=_h("most requests in the running batch"))

@@ -24,6 +24,7 @@ from services.scheduler.config import SchedulerServerConfig
 from services.scheduler.core.engine import Engine
 from services.scheduler.grammar import GrammarMetrics
 from services.scheduler.memory import MemoryBudgetError
+from services.scheduler.model_executor.model_runner import kv_cache_dtype_name
 from services.scheduler.models import ARCHITECTURES
 from services.scheduler.rpc.direct_sink import OutputRouter
 from services.scheduler.rpc.metrics import SchedulerMetrics
@@ -70,7 +71,7 @@ class SchedulerServer:
             max_loras_per_batch=e.lora.settings.max_loras_per_batch if e.lora is not None else 0,
             max_lora_rank=e.lora.settings.max_lora_rank if e.lora is not None else 0,
             architecture=e.runner.architecture, supported_architectures=sorted(ARCHITECTURES),
-            kv_cache_dtype=str(e.runner.kv_dtype).removeprefix("torch."))
+            kv_cache_dtype=kv_cache_dtype_name(e.runner.kv_dtype))
 
     async def _set_push_state(self, up: bool) -> None:
         self._push_open = up

@@ -1,5 +1,5 @@
 """The C kernels against plain torch: attention (decode and prefill, the decode step's K/V store with it;
-float32 and bfloat16 KV), the dense decode rows' fill, rotary, the SiLU gate, the residual add with
+float32, bfloat16 and fp8 KV), the fp8 codecs, the dense decode rows' fill, rotary, the SiLU gate, the residual add with
 RMSNorm, greedy argmax, and the small-batch linear over bf16 weights."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from services.scheduler.kernels import cpu_kernels
+from services.scheduler.kvcache.memory_pool import FP8_MAX, to_kv
 from services.scheduler.models.rotary import RotaryEmbedding
 
 
@@ -360,42 +361,76 @@ def test_fill_rows_copies_pool_slots_into_dense_rows(kernel, threads: int, heads
                          torch.tensor([0]), kt_buf, v_buf)
 
 
-def widened(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t rounded to bfloat16 (a KV buffer the kernels read as bf16) and the same values in float32."""
-    half = t.to(torch.bfloat16)
-    return half, half.float()
+NARROW_KV = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
+def widened(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """t rounded to `dtype` (a KV buffer the kernels read in it) and the same values in float32."""
+    narrow = to_kv(t, dtype)
+    return narrow, narrow.float()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as integers of their width (bit-for-bit comparisons; torch.equal has no fp8)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
+def test_fp8_codecs_are_torchs_conversions(kernel, dtype: torch.dtype) -> None:
+    """The kernels' fp8 reading of all 256 codes is torch's (an E4M3 NaN code reads as 480: the kernels
+    never restore it), and their stores are torch's conversion of the value saturated at the largest
+    finite one, bit for bit: subnormals, ties, overflow, infinities, NaN."""
+    if dtype == torch.bfloat16:
+        pytest.skip("bf16 is a shift: covered by the attention tests")
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    got, want = kernel.fp8_values(codes), codes.float()
+    finite = want.isfinite()
+    assert torch.equal(got[finite], want[finite])
+    if dtype == torch.float8_e4m3fn:
+        assert got[~finite].tolist() == [480.0, -480.0]
+    else:
+        assert torch.equal(got[~finite].isnan(), want[~finite].isnan())
+    torch.manual_seed(5)
+    x = torch.cat([torch.randn(20_000) * s for s in (1e-5, 3e-3, 1.0, 40.0, 1e4)] + [
+        torch.tensor([0.0, -0.0, 1e9, -1e9, float("inf"), float("-inf"), float("nan")]),
+        want[finite] * 1.0625, (want[finite][1:] + want[finite][:-1]) / 2])  # between codes: ties
+    assert torch.equal(bits(kernel.fp8_codes(x, dtype)), bits(to_kv(x, dtype)))
+    assert to_kv(torch.tensor([1e9]), dtype).float().item() == FP8_MAX[dtype]
+
+
+@pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
 @pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (2, 3, 64), (1, 6, 64), (1, 4, 128), (1, 12, 32)])
 @pytest.mark.parametrize("window", [0, 9])
-def test_decode_over_bf16_kv_is_the_float32_kernel_on_the_rounded_keys(kernel, threads: int, heads: int,
-                                                                       group: int, dim: int, window: int) -> None:
-    """bf16 dense rows, shared prefixes and pool: the step's new K/V are stored rounded to nearest even
-    (torch's own conversion, bit for bit), and the attention equals the float32 kernel's over the same
-    values widened to float32. With AVX-512 the bf16 reads take the intrinsics (32 keys a load; a row's
-    last block masked where it ends past the buffer; 64 or 32 keys a block by the group), the float32
-    ones the portable loops: these shapes cover both block widths and the fallback (group 12)."""
+def test_decode_over_narrow_kv_is_the_float32_kernel_on_the_rounded_keys(kernel, threads: int, heads: int,
+                                                                         group: int, dim: int, window: int,
+                                                                         dtype: torch.dtype) -> None:
+    """bf16 or fp8 dense rows, shared prefixes and pool: the step's new K/V are stored rounded to nearest
+    even (torch's own conversion, fp8 saturated, bit for bit), and the attention equals the float32
+    kernel's over the same values widened to float32. With AVX-512 the bf16 reads take the intrinsics
+    (32 keys a load; a row's last block masked where it ends past the buffer; 64 or 32 keys a block by
+    the group), fp8 ones likewise 16 a load, the float32 ones the portable loops: these shapes cover
+    both block widths and the fallbacks (group 12; fp8 values over 5 x 16 accumulators)."""
     torch.manual_seed(heads * 100 + group * 10 + dim + window)
     b, l_cap, p_cap, slots = 4, 80, 48, 30
     lens = torch.tensor([70, 3, 45, 60], dtype=torch.int64)
     entry = torch.tensor([0, -1, 0, 1], dtype=torch.int64)
     plen = torch.tensor([40, 0, 40, 17], dtype=torch.int64)
     rows, new_pos, loc = torch.tensor([2, 0, 3, 1]), torch.tensor([2, 29, 19, 42]), torch.tensor([9, 2, 5, 29])
-    kt, kt32 = widened(torch.randn(b, heads, dim, l_cap))
-    v, v32 = widened(torch.randn(b, heads, l_cap, dim))
-    pk, pk32 = widened(torch.randn(2, heads, dim, p_cap))
-    pv, pv32 = widened(torch.randn(2, heads, p_cap, dim))
-    pool_k, pool_v = torch.zeros(slots, heads, dim, dtype=torch.bfloat16), torch.zeros(slots, heads, dim,
-                                                                                       dtype=torch.bfloat16)
+    kt, kt32 = widened(torch.randn(b, heads, dim, l_cap), dtype)
+    v, v32 = widened(torch.randn(b, heads, l_cap, dim), dtype)
+    pk, pk32 = widened(torch.randn(2, heads, dim, p_cap), dtype)
+    pv, pv32 = widened(torch.randn(2, heads, p_cap, dim), dtype)
+    pool_k, pool_v = torch.zeros(slots, heads, dim, dtype=dtype), torch.zeros(slots, heads, dim, dtype=dtype)
     pool_k32, pool_v32 = pool_k.float(), pool_v.float()
     q = torch.randn(b, heads, group, dim)
     k_new, v_new = torch.randn(b, heads, dim), torch.randn(b, heads, dim)
     layout = cpu_kernels.decode_layout(lens, l_cap, rows, new_pos, loc, slots, entry, plen, p_cap, 2)
     got = kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk, pv), window=window or None,
                                   new_kv=(k_new, v_new), pool=(pool_k, pool_v))
-    k_half, v_half = k_new.to(torch.bfloat16), v_new.to(torch.bfloat16)
-    assert torch.equal(kt[rows, :, :, new_pos], k_half) and torch.equal(v[rows, :, new_pos], v_half)
-    assert torch.equal(pool_k[loc], k_half) and torch.equal(pool_v[loc], v_half)
+    k_half, v_half = to_kv(k_new, dtype), to_kv(v_new, dtype)
+    assert torch.equal(bits(kt[rows, :, :, new_pos]), bits(k_half))
+    assert torch.equal(bits(v[rows, :, new_pos]), bits(v_half))
+    assert torch.equal(bits(pool_k[loc]), bits(k_half)) and torch.equal(bits(pool_v[loc]), bits(v_half))
     want = kernel.decode_attention(q, kt32, v32, layout, dim ** -0.5, (pk32, pv32), window=window or None,
                                    new_kv=(k_half.float(), v_half.float()), pool=(pool_k32, pool_v32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -404,16 +439,20 @@ def test_decode_over_bf16_kv_is_the_float32_kernel_on_the_rounded_keys(kernel, t
         kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk32, pv32))
 
 
-@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (1, 4, 128), (1, 12, 32)])
-def test_extend_over_a_bf16_pool_is_the_float32_kernel_on_the_rounded_keys(kernel, threads: int, heads: int,
-                                                                           group: int, dim: int) -> None:
+@pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
+@pytest.mark.parametrize("heads,group,dim", [(4, 2, 32), (1, 4, 128), (1, 12, 32), (2, 3, 40)])
+def test_extend_over_a_narrow_pool_is_the_float32_kernel_on_the_rounded_keys(kernel, threads: int, heads: int,
+                                                                             group: int, dim: int,
+                                                                             dtype: torch.dtype) -> None:
+    """A bf16 or fp8 pool widened into the float32 tiles (fp8 rows 16 values at a time where the CPU
+    has AVX-512, a head_dim that is no multiple of 16 ends in the portable loop)."""
     torch.manual_seed(heads + group + dim)
     lens, prefix = [1, 40, 5, 17, 9], [0, 0, 33, 2, 20]
     l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
     b = len(lens)
     kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
     pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
-    (pool_k, pool_k32), (pool_v, pool_v32) = widened(pool_k), widened(pool_v)
+    (pool_k, pool_k32), (pool_v, pool_v32) = widened(pool_k, dtype), widened(pool_v, dtype)
     q = torch.randn(sum(lens), heads, group, dim)
     q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
     layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
@@ -423,18 +462,17 @@ def test_extend_over_a_bf16_pool_is_the_float32_kernel_on_the_rounded_keys(kerne
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fill_rows_copies_bf16_slots_bit_for_bit(kernel, threads: int) -> None:
+@pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
+def test_fill_rows_copies_narrow_slots_bit_for_bit(kernel, threads: int, dtype: torch.dtype) -> None:
     torch.manual_seed(11)
     heads, dim = 2, 64
-    pool_k, pool_v = torch.randn(50, heads, dim).to(torch.bfloat16), torch.randn(50, heads, dim).to(torch.bfloat16)
-    pool_k[7, 0, 3] = float("nan")
-    kt_buf, v_buf = torch.zeros(3, heads, dim, 40, dtype=torch.bfloat16), torch.zeros(3, heads, 40, dim,
-                                                                                      dtype=torch.bfloat16)
+    pool_k, pool_v = to_kv(torch.randn(50, heads, dim), dtype), to_kv(torch.randn(50, heads, dim), dtype)
+    bits(pool_k)[7, 0, 3] = bits(to_kv(torch.tensor([float("nan")]), dtype))[0]
+    kt_buf, v_buf = torch.zeros(3, heads, dim, 40, dtype=dtype), torch.zeros(3, heads, 40, dim, dtype=dtype)
     slots = torch.randperm(50)[:33]
     kernel.fill_rows((pool_k, pool_v), slots, torch.tensor([0, 33]), torch.tensor([1]), kt_buf, v_buf)
-    bits = torch.int16
-    assert torch.equal(kt_buf[1, :, :, :33].view(bits), pool_k[slots].permute(1, 2, 0).contiguous().view(bits))
-    assert torch.equal(v_buf[1, :, :33].view(bits), pool_v[slots].transpose(0, 1).contiguous().view(bits))
+    assert torch.equal(bits(kt_buf[1, :, :, :33]), bits(pool_k[slots].permute(1, 2, 0).contiguous()))
+    assert torch.equal(bits(v_buf[1, :, :33]), bits(pool_v[slots].transpose(0, 1).contiguous()))
     with pytest.raises(AssertionError):  # rows of another dtype than the pool
         kernel.fill_rows((pool_k, pool_v), slots, torch.tensor([0, 33]), torch.tensor([1]), kt_buf.float(),
                          v_buf.float())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.scheduler.model_executor.forward_batch import ForwardMode
-from services.scheduler.model_executor.model_runner import ModelRunner
+from services.scheduler.model_executor.model_runner import ModelRunner, kv_cache_dtype_name
 from tests.scheduler.test_model_runner import Seq, make_batch
 
 
@@ -115,14 +115,14 @@ def sharing(runner: ModelRunner, leader: Seq, n: int, own: list[int]) -> Seq:
     return s
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, kv_cache_dtype: str) -> None:
-    """bfloat16: the rows, the prefix copies and the pool hold bf16, the gather path widens what it reads."""
+    """bfloat16, fp8: the rows, the prefix copies and the pool hold it, the gather path widens what it reads."""
     runner = ModelRunner(model_dir, device="cpu", kv_cache_dtype=kv_cache_dtype, max_total_tokens=4096,
                          max_running_requests=16)  # its own rows
     cache = runner.attn_backend.dense
     assert cache.shared is not None  # on with the C kernel
-    assert runner.token_to_kv_pool.dtype == getattr(torch, kv_cache_dtype)
+    assert kv_cache_dtype_name(runner.token_to_kv_pool.dtype) == kv_cache_dtype
     cache.reset()
     g = torch.Generator().manual_seed(2)
     leader = Seq(runner, torch.randint(0, 4000, (100,), generator=g).tolist())

@@ -58,3 +58,20 @@ def test_set_kv_buffer_writes_slots() -> None:
     kb, vb = pool.get_kv_buffer(1)
     assert torch.equal(kb[loc], k) and torch.equal(vb[loc], v)
     assert torch.count_nonzero(pool.k_buffer[0]) == 0
+
+
+def test_fp8_slots_hold_saturated_nearest_values() -> None:
+    """fp8 KV (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): stores round to nearest even and saturate at the
+    largest finite value (torch's cast would give NaN or infinity past it), a NaN stays a NaN."""
+    for dtype, top in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+        pool = TokenToKVPool(8, num_layers=1, num_kv_heads=1, head_dim=4, dtype=dtype, device=torch.device("cpu"))
+        assert pool.bytes_per_token == 2 * 4  # a byte a value
+        k = torch.tensor([[[0.3, -1e6, 1e6, float("nan")]]])
+        v = torch.tensor([[[1.0625, 2e-3, -7.0, 0.0]]])
+        pool.set_kv_buffer(0, torch.tensor([3]), k, v)
+        kb, vb = pool.get_kv_buffer(0)
+        got_k = kb[3].float()
+        assert got_k[0, 0] == torch.tensor(0.3).to(dtype).float() and got_k[0, 1] == -top and got_k[0, 2] == top
+        assert got_k[0, 3].isnan()
+        assert torch.equal(vb[3].float(), v[0].to(dtype).float())
+        assert kb[2].float().abs().sum() == 0  # other slots untouched

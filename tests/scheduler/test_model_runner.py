@@ -390,7 +390,7 @@ def test_bf16_kv_cache_under_float32_activations(model_dir: str, hf_model) -> No
 
 @pytest.mark.parametrize(("asked", "cpu_kernels", "error"), [
     ("float8", True, "unknown kv_cache_dtype"), ("float16", True, "the CPU C kernels hold the KV cache"),
-    ("bfloat16", False, "needs the CPU C kernels"),
+    ("bfloat16", False, "needs the CPU C kernels"), ("fp8_e4m3", False, "needs the CPU C kernels"),
 ])
 def test_kv_cache_dtype_errors_name_the_flag(model_dir: str, asked: str, cpu_kernels: bool, error: str) -> None:
     with pytest.raises(ValueError, match=error) as e:

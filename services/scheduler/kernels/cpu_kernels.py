@@ -2,7 +2,7 @@
 prefill; a decode step's K/V store is part of the decode call), the dense decode rows' fill from the KV
 pool, the fused elementwise steps of a layer (rotary, SiLU gate, the
 residual add with its RMSNorm) and greedy argmax. Activations are float32; the attention kernels take
-the KV cache in float32 or bfloat16 (`KV_DTYPES`: one dtype for pool, dense rows and shared prefixes).
+the KV cache in float32, bfloat16 or fp8 (`KV_DTYPES`: one dtype for pool, dense rows and shared prefixes).
 
 `load()` returns None when there is no compiler (a slim image) or the build fails, and callers keep
 their torch path. ctypes releases the GIL for the call. The C code trusts its pointers and sizes, so
@@ -23,7 +23,8 @@ from services.scheduler.kernels.kernel_build import build
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an extend block scores at once
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
-KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read and write as KV
+# What the attention kernels read and write as KV, in attention.c's order of its kinds (KV_F32 ...).
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the SiLU gate's and the norm's GEMM-side tensors
 # decode_stack.c's per-layer columns (DS_*): the bf16 weights of qkv, o, gate_up and down, the two norms'
 # weights, the dense rows' K^T and V, the shared prefixes' K^T and V, the KV pool's K and V, the window.
@@ -135,10 +136,10 @@ def check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: in
     assert v_buf.shape == (kt_buf.shape[0], h, l_cap, d)
 
 
-def _kv_bf16(dtype: torch.dtype) -> int:
-    """The kernels' kv_bf16 flag for a KV buffer's dtype."""
+def _kv_kind(dtype: torch.dtype) -> int:
+    """The kernels' `kv` argument for a KV buffer's dtype."""
     assert dtype in KV_DTYPES, f"KV cache dtype {dtype}: the kernels take {KV_DTYPES}"
-    return int(dtype == torch.bfloat16)
+    return KV_DTYPES.index(dtype)
 
 
 def _rows_of_heads(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
@@ -177,6 +178,8 @@ class NativeKernels:
                                [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
                                 _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P])
         self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int])
+        self._fp8_decode = self._fn(lib.fp8_decode, None, [_P, _P, _I, ctypes.c_int])
+        self._fp8_encode = self._fn(lib.fp8_encode, None, [_P, _P, _I, ctypes.c_int])
 
     @staticmethod
     def _fn(f, restype, argtypes):
@@ -194,7 +197,7 @@ class NativeKernels:
                          pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """window: the layer's sliding window (a row of n keys reads its last `window`); None: all.
         q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
-        [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous on CPU, float32 or bfloat16 (the KV
+        [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous on CPU, one of KV_DTYPES (the KV
         dtype: prefix and pool match it); prefix: the shared
         prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. new_kv: the
         step's new k, v ([B, H, D], each request's contiguous, any stride), first written at
@@ -229,9 +232,23 @@ class NativeKernels:
         if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
                         _ptr(layout.order), layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d,
                         layout.l_cap, scale, threads, *ptrs, layout.p_cap, window or 0, *store,
-                        _kv_bf16(kv_dtype)) != 0:
+                        _kv_kind(kv_dtype)) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
+        return out
+
+    def fp8_values(self, codes: torch.Tensor) -> torch.Tensor:
+        """The kernels' reading of fp8 KV elements: codes [N] float8_e4m3fn or float8_e5m2 -> float32."""
+        assert codes.dtype in KV_DTYPES[2:] and codes.is_contiguous() and codes.dim() == 1
+        out = torch.empty(len(codes), dtype=torch.float32)
+        self._fp8_decode(codes.data_ptr(), out.data_ptr(), len(codes), _kv_kind(codes.dtype))
+        return out
+
+    def fp8_codes(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The kernels' stores of KV elements as fp8: x [N] float32 -> [N] `dtype` (an fp8 of KV_DTYPES)."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 1 and dtype in KV_DTYPES[2:]
+        out = torch.empty(len(x), dtype=dtype)
+        self._fp8_encode(x.data_ptr(), out.data_ptr(), len(x), _kv_kind(dtype))
         return out
 
     def fill_rows(self, pool: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, start: torch.Tensor,
@@ -255,12 +272,12 @@ class NativeKernels:
         assert int(n.min()) >= 0 and int(n.max()) <= kt_buf.shape[3] and int(rows.min()) >= 0
         assert len(slots) == 0 or (int(slots.min()) >= 0 and int(slots.max()) < s)
         self._fill(pk.data_ptr(), pv.data_ptr(), slots.data_ptr(), start.data_ptr(), rows.data_ptr(), j, h, d,
-                   kt_buf.data_ptr(), v_buf.data_ptr(), kt_buf.shape[3], torch.get_num_threads(), _kv_bf16(pk.dtype))
+                   kt_buf.data_ptr(), v_buf.data_ptr(), kt_buf.shape[3], torch.get_num_threads(), _kv_kind(pk.dtype))
 
     def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
                          scale: float, window: int | None = None) -> torch.Tensor:
         """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
-        float32 contiguous; pool_k, pool_v: [S, H, D] contiguous, float32 or bfloat16 (S >= layout.pool_size). Token
+        float32 contiguous; pool_k, pool_v: [S, H, D] contiguous, one of KV_DTYPES (S >= layout.pool_size). Token
         i of request b sees keys [0, prefix[b] + i], with a sliding window only the last `window` of
         them. Returns [T, H, G, D]."""
         t, h, g, d = q.shape
@@ -273,7 +290,7 @@ class NativeKernels:
         scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS) + 2 * d, l_cap)  # scores, then K^T and V tiles
         if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
                         layout.q_start.data_ptr(), layout.prefix.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                        b, h, g, d, l_cap, scale, threads, window or 0, _kv_bf16(pool_k.dtype)) != 0:
+                        b, h, g, d, l_cap, scale, threads, window or 0, _kv_kind(pool_k.dtype)) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out
@@ -397,7 +414,7 @@ class NativeKernels:
         rc = self._stack(x.data_ptr(), delta.data_ptr(), t, layers.data_ptr(), layers.shape[0], n, hkv, g, d, inter,
                        eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1], layout.rows.data_ptr(),
                        _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale, _ptr(layout.entry),
-                       _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(), layout.loc.data_ptr(), _kv_bf16(kv_dtype),
+                       _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(), layout.loc.data_ptr(), _kv_kind(kv_dtype),
                        ws.data_ptr(), threads, _NO_GEMM if gemm is None else gemm, _ptr(io_ptrs))
         if rc == STACK_GEMM_FAILED:
             raise RuntimeError("decode stack: a linear's callback failed")

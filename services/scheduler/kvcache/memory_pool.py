@@ -71,6 +71,17 @@ class ReqToTokenPool:
         self._fenced = []
 
 
+# fp8 KV (--kv-cache-dtype fp8_e4m3 / fp8_e5m2, CPU C kernels): the largest finite value, where stores
+# saturate (torch's cast gives NaN or infinity past it).
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as KV elements of `dtype`, as the C kernels store them (fp8: saturated, then to nearest even)."""
+    top = FP8_MAX.get(dtype)
+    return x.to(dtype) if top is None else x.clamp(-top, top).to(dtype)
+
+
 class TokenToKVPool:
     """Per-layer K and V buffers of `size + 1` token slots (slot 0 is the never-allocated dummy)."""
 
@@ -131,5 +142,8 @@ class TokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """loc: [T] int64 slots; k, v: [T, num_kv_heads, head_dim]."""
-        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+        for buf, x in ((self.k_buffer[layer_id], k), (self.v_buffer[layer_id], v)):
+            if self.dtype in FP8_MAX:  # torch has no index_copy_ for fp8: as bytes
+                buf.view(torch.uint8).index_copy_(0, loc, to_kv(x, self.dtype).view(torch.uint8))
+            else:
+                buf.index_copy_(0, loc, x.to(self.dtype))

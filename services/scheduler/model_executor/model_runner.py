@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+# KV-only dtypes (SGLang's names): fp8 without a scale, on the CPU C kernels.
+_KV_ONLY_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CPU_KV_CAP_BYTES = 1 << 30   # CPU default: at most 1 GiB of KV ...
 CPU_KV_RAM_FRACTION = 0.15   # ... and at most this share of available RAM (the machine is shared)
 
@@ -457,6 +459,11 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """A KV dtype as --kv-cache-dtype names it (fp8: SGLang's names, fp8_e4m3 / fp8_e5m2)."""
+    return next((name for name, d in _KV_ONLY_DTYPES.items() if d == dtype), _name(dtype))
+
+
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: Any = None) -> torch.dtype:
     """--dtype as a torch dtype. auto: bfloat16 on CUDA; on CPU the checkpoint's own dtype, as vLLM
     does: float32 checkpoints (and those that say none) in float32, half-precision ones in bfloat16
@@ -482,9 +489,10 @@ def _resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, linear_dtype: tor
     dtype other than the activations' needs those kernels (the only ones that widen as they read)."""
     if kv_cache_dtype == "auto":
         return torch.bfloat16 if native and linear_dtype == torch.bfloat16 else dtype
-    if kv_cache_dtype not in _DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; one of auto, {', '.join(_DTYPES)}")
-    kv = _DTYPES[kv_cache_dtype]
+    names = {**_DTYPES, **_KV_ONLY_DTYPES}
+    if kv_cache_dtype not in names:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; one of auto, {', '.join(names)}")
+    kv = names[kv_cache_dtype]
     if native and kv not in NATIVE_KV_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: the CPU C kernels hold the KV cache in "
                          f"{' or '.join(map(_name, NATIVE_KV_DTYPES))}")

@@ -1,5 +1,5 @@
 /* Attention kernels for CPU: float32 queries and outputs (the entry points' `_f32`), the KV cache (pool,
- * dense decode rows, shared prefixes) in float32 or bfloat16 (`kv_bf16`). Decode reads the dense decode
+ * dense decode rows, shared prefixes) in float32, bfloat16 or fp8 (`kv`). Decode reads the dense decode
  * cache, and prefill (extend) reads each request's keys, copied from the KV pool into a per-thread
  * float32 tile. Both are the same per-query routine, `head`; extend runs several new tokens of a request
  * through it at once (`block`).
@@ -40,12 +40,13 @@
  *   q [T, H, G, D] (T = q_start[B]); pool_k, pool_v [S, H, D]; slots [B, Lcap]; out [T, H, G, D]
  * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * (max(G, XQ) + 2 D) * Lcap for
  * extend.
- * kv_bf16 (all three entry points): the KV buffers (kt, v, pk, pv, pool_k, pool_v) hold bfloat16, which the
- * kernels widen to float32 as they load (a 16-bit shift: any x86-64 vector unit does it; with AVX-512,
- * 32 at a time: scores_x16, weigh_x16) and round to nearest even as `put` stores. A decode step's
- * attention reads every key of the batch once and waits on memory, so half the bytes is about half its
- * time; arithmetic stays float32 throughout.
- * All int64 except `threads` and `kv_bf16`; all arrays contiguous.
+ * kv (all three entry points): what the KV buffers (kt, v, pk, pv, pool_k, pool_v) hold, KV_F32 .. KV_E5M2
+ * below. bfloat16 the kernels widen to float32 as they load (a 16-bit shift: any x86-64 vector unit does it;
+ * with AVX-512, 32 at a time: scores_x16, weigh_x16) and round to nearest even as `put` stores; fp8 likewise
+ * (with AVX-512 through the fp16 conversion, 16 at a time: scores_x8, weigh_x8; stores saturate). A decode
+ * step's attention reads every key of the batch once and waits on memory, so half the bytes is about half
+ * its time (fp8 after bf16: less, its widening takes more instructions); arithmetic stays float32 throughout.
+ * All int64 except `threads` and `kv`; all arrays contiguous.
  */
 #include <math.h>
 #include <omp.h>
@@ -57,19 +58,78 @@
 #define XQ 8 /* query rows per extend block: new tokens x G */
 #define DMAX 256 /* head_dim (Gemma 3: 256) */
 
-/* A KV buffer's element i as float32; BF (a compile-time constant where called): the buffer holds bf16. */
-static inline __attribute__((always_inline)) float ld(const void *restrict p, int64_t i, const int BF) {
-    if (!BF) return ((const float *)p)[i];
+/* What a KV buffer holds (`kv` of the entry points; KV, SKV, DKV: the same as a compile-time constant). fp8
+ * is OCP's E4M3 (largest 448; its NaN code 0x7f, stored only for a NaN, reads back as 480: restoring it cost
+ * the decode loop 13 %) or E5M2 (fp16's upper byte), without a scale. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+#define KV_SIZE(KV) ((KV) == KV_F32 ? 4 : (KV) == KV_BF16 ? 2 : 1)
+
+/* fp8 code c (E4M3 or E5M2) as float32, exactly (subnormals by an integer's conversion, so no
+ * flush-to-zero setting can lose them). */
+static inline __attribute__((always_inline)) float fp8_value(uint32_t c, const int KV) {
+    const uint32_t m = c & 0x7fu;
+    uint32_t u;
+    float f;
+    if (KV == KV_E4M3) {
+        const uint32_t e = m >> 3, man = m & 7u;
+        f = (float)man * 0x1p-9f;
+        __builtin_memcpy(&u, &f, 4);
+        u = e ? ((e + 120u) << 23) | (man << 20) : u; /* 0x7f (NaN) reads as 480, as fp8x16 reads it */
+    } else {
+        const uint32_t e = m >> 2, man = m & 3u;
+        f = (float)man * 0x1p-16f;
+        __builtin_memcpy(&u, &f, 4);
+        u = e ? (e == 31u ? 0x7f800000u | (man << 21) : ((e + 112u) << 23) | (man << 21)) : u;
+    }
+    u |= (c & 0x80u) << 24;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x as an fp8 code: rounded to nearest even, saturated at the largest finite value (448 / 57344; an
+ * overflow is not an infinity, as in the usual fp8 KV stores), a NaN kept a NaN. Subnormals round by a
+ * float addition whose last place is their step (the usual trick), the rest on the bits. */
+static inline __attribute__((always_inline)) uint8_t fp8_code(float x, const int KV) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    const uint32_t sign = (u >> 24) & 0x80u, a_bits = u & 0x7fffffffu;
+    if (a_bits > 0x7f800000u) return (uint8_t)(sign | 0x7fu); /* NaN (checked on the bits: -ffast-math) */
+    float a;
+    __builtin_memcpy(&a, &a_bits, 4);
+    const int e4 = KV == KV_E4M3;
+    const float top = e4 ? 448.0f : 57344.0f, tiny = e4 ? 0x1p-6f : 0x1p-14f, step = e4 ? 0x1p14f : 0x1p7f;
+    a = a < top ? a : top;
+    if (a < tiny) {
+        const float r = a + step;
+        uint32_t rb, sb;
+        __builtin_memcpy(&rb, &r, 4);
+        __builtin_memcpy(&sb, &step, 4);
+        return (uint8_t)(sign | (rb - sb));
+    }
+    __builtin_memcpy(&u, &a, 4);
+    const int shift = e4 ? 20 : 21;
+    u += ((uint32_t)(e4 ? 7 - 127 : 15 - 127) << 23) + ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
+    return (uint8_t)(sign | (u >> shift));
+}
+
+/* A KV buffer's element i as float32. */
+static inline __attribute__((always_inline)) float ld(const void *restrict p, int64_t i, const int KV) {
+    if (KV == KV_F32) return ((const float *)p)[i];
+    if (KV != KV_BF16) return fp8_value(((const uint8_t *)p)[i], KV);
     const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
     float f;
     __builtin_memcpy(&f, &u, 4);
     return f;
 }
 
-/* Store x as element i of a KV buffer (bf16: rounded to nearest even; a NaN stays a NaN). */
-static inline __attribute__((always_inline)) void st(void *restrict p, int64_t i, float x, const int BF) {
-    if (!BF) {
+/* Store x as element i of a KV buffer (bf16: rounded to nearest even; a NaN stays a NaN; fp8: fp8_code). */
+static inline __attribute__((always_inline)) void st(void *restrict p, int64_t i, float x, const int KV) {
+    if (KV == KV_F32) {
         ((float *)p)[i] = x;
+        return;
+    }
+    if (KV != KV_BF16) {
+        ((uint8_t *)p)[i] = fp8_code(x, KV);
         return;
     }
     uint32_t u;
@@ -79,7 +139,15 @@ static inline __attribute__((always_inline)) void st(void *restrict p, int64_t i
 }
 
 /* The address of element i of a KV buffer. */
-#define KV_AT(p, i, BF) ((void *)((char *)(p) + (int64_t)(i) * ((BF) ? 2 : 4)))
+#define KV_AT(p, i, KV) ((void *)((char *)(p) + (int64_t)(i) * KV_SIZE(KV)))
+
+/* The C side of the kinds' codecs, for the tests: fp8 codes [n] -> float32 values, and back. */
+void fp8_decode(const uint8_t *c, float *out, int64_t n, int kv) {
+    for (int64_t i = 0; i < n; i++) out[i] = kv == KV_E4M3 ? fp8_value(c[i], KV_E4M3) : fp8_value(c[i], KV_E5M2);
+}
+void fp8_encode(const float *x, uint8_t *out, int64_t n, int kv) {
+    for (int64_t i = 0; i < n; i++) out[i] = kv == KV_E4M3 ? fp8_code(x[i], KV_E4M3) : fp8_code(x[i], KV_E5M2);
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) /* every AVX-512 CPU but the Xeon Phi */
 #define X16 1
@@ -191,6 +259,86 @@ static inline __attribute__((always_inline)) void weigh_x16(float acc[GMAX][DMAX
 }
 #endif
 
+#if defined(__AVX512VL__)
+#define X8 1
+/* 16 fp8 codes as float32, E4M3's divided by 256 (fp8_value / FP8_UNIT). E5M2 is fp16's upper byte, and
+ * E4M3 is fp16 once its 7 magnitude bits move up one place, 2^-8 times its value; so both widen through
+ * the CPU's fp16 conversion (exact, subnormals included, whatever flush-to-zero says), E4M3 in three
+ * instructions: the signed widening puts the sign in bit 15 (and 14, cleared). The callers scale the
+ * query or the weight by FP8_UNIT instead of each key by it: a power of two, so the same products.
+ * 30 layers x 64 rows x ~390 keys (SmolLM2's heads), 2 threads: E4M3 30-34 ms, E5M2 27-29, bf16 36-39. */
+#define FP8_UNIT(KV) ((KV) == KV_E4M3 ? 256.0f : 1.0f)
+static inline __attribute__((always_inline)) __m512 fp8x16(__m128i c, const int KV) {
+    if (KV == KV_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                                            _mm256_set1_epi16((short)0xbfff)));
+}
+#define X8_SCORES(G) ((G) <= 8)                           /* 4 * G or 2 * G accumulators of 16 */
+#define X8_WEIGH(G, D) ((D) % 16 == 0 && (G) * (D) <= 320) /* G * D / 16 accumulators, at most 20 */
+
+/* `scores` for fp8 K^T, 16 keys a load; a last block that would read past `cap` loads only its keys. */
+static inline __attribute__((always_inline)) void scores_x8(const float *restrict qb, const uint8_t *restrict kb,
+                                                            int64_t off, int64_t n_keys, int64_t cap,
+                                                            float *restrict s, int64_t S, float scale,
+                                                            const int64_t G, const int64_t D,
+                                                            const uint8_t *restrict pf, const int KV) {
+    const int64_t NV = G > 4 ? 2 : 4, W = 16 * NV;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
+        const int64_t left = off + l0 + W <= cap ? W : n_keys - l0; /* keys this block may load */
+        __mmask16 m[4];
+        for (int64_t v = 0; v < NV; v++) {
+            const int64_t k = left - 16 * v < 0 ? 0 : left - 16 * v > 16 ? 16 : left - 16 * v;
+            m[v] = (__mmask16)((1u << k) - 1u);
+        }
+        __m512 a[8][4];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t v = 0; v < NV; v++) a[g][v] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const uint8_t *row = kb + d * cap + off + l0;
+            if (pf) __builtin_prefetch(pf + d * cap + off + l0, 0, 2); /* W <= 64 keys: one line */
+            __m512 k[4];
+            for (int64_t v = 0; v < NV; v++) k[v] = fp8x16(_mm_maskz_loadu_epi8(m[v], row + 16 * v), KV);
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 qd = _mm512_set1_ps(qb[g * D + d] * FP8_UNIT(KV));
+                for (int64_t v = 0; v < NV; v++) a[g][v] = _mm512_fmadd_ps(qd, k[v], a[g][v]);
+            }
+        }
+        const int64_t n = n_keys - l0 < W ? n_keys - l0 : W;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t v = 0; v < NV; v++) {
+                const int64_t cnt = n - 16 * v < 0 ? 0 : n - 16 * v > 16 ? 16 : n - 16 * v;
+                _mm512_mask_storeu_ps(s + g * S + l0 + 16 * v, (__mmask16)((1u << cnt) - 1u),
+                                      _mm512_mul_ps(a[g][v], sc));
+            }
+    }
+}
+
+/* `weigh` for an fp8 V: acc[g] += sum_l p[g * S + l] V[off + l], D / 16 loads a key. */
+static inline __attribute__((always_inline)) void weigh_x8(float acc[GMAX][DMAX], const float *restrict p, int64_t S,
+                                                           const uint8_t *restrict vb, int64_t off, int64_t n,
+                                                           const int64_t G, const int64_t D,
+                                                           const uint8_t *restrict pf, const int KV) {
+    const int64_t NV = D / 16;
+    __m512 a[20]; /* [g * NV + v]: elements 16 v .. 16 v + 15 of acc[g] */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t v = 0; v < NV; v++) a[g * NV + v] = _mm512_loadu_ps(acc[g] + 16 * v);
+    for (int64_t l = 0; l < n; l++) {
+        const uint8_t *row = vb + (off + l) * D;
+        if (pf)
+            for (int64_t c = 0; c < D; c += 64) __builtin_prefetch(pf + l * D + c, 0, 2);
+        __m512 x[20];
+        for (int64_t v = 0; v < NV; v++) x[v] = fp8x16(_mm_loadu_si128((const __m128i *)(row + 16 * v)), KV);
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 pg = _mm512_set1_ps(p[g * S + l] * FP8_UNIT(KV));
+            for (int64_t v = 0; v < NV; v++) a[g * NV + v] = _mm512_fmadd_ps(pg, x[v], a[g * NV + v]);
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t v = 0; v < NV; v++) _mm512_storeu_ps(acc[g] + 16 * v, a[g * NV + v]);
+}
+#endif
+
 /* s[g * S + l] = scale * q[g] . K[off + l] for l in [0, n); K^T rows of `cap` positions. Keys go 64 at a
  * time, 32 with more than 4 query rows, so the accumulators (rows x keys) stay in the registers.
  * pf (or NULL): another K^T of the same shape to prefetch, block by block, as this one is read. */
@@ -198,11 +346,17 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
                                                           int64_t off, int64_t n_keys, int64_t cap,
                                                           float *restrict s, int64_t S, float scale,
                                                           const int64_t G, const int64_t D,
-                                                          const void *restrict pf, const int BF) {
-    const int64_t W = G > 4 ? BL / 2 : BL, line = BF ? 32 : 16; /* elements per 64-byte cache line */
+                                                          const void *restrict pf, const int KV) {
+    const int64_t W = G > 4 ? BL / 2 : BL, line = 64 / KV_SIZE(KV); /* elements per 64-byte cache line */
 #ifdef X16
-    if (BF && X16_SCORES(G)) {
+    if (KV == KV_BF16 && X16_SCORES(G)) {
         scores_x16(qb, kb, off, n_keys, cap, s, S, scale, G, D, pf);
+        return;
+    }
+#endif
+#ifdef X8
+    if ((KV == KV_E4M3 || KV == KV_E5M2) && X8_SCORES(G)) {
+        scores_x8(qb, kb, off, n_keys, cap, s, S, scale, G, D, pf, KV);
         return;
     }
 #endif
@@ -214,11 +368,11 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
             for (int64_t d = 0; d < D; d++) {
                 const int64_t at = d * cap + off + l0;
                 if (pf)
-                    for (int64_t c = 0; c < W; c += line) __builtin_prefetch(KV_AT(pf, at + c, BF), 0, 2);
+                    for (int64_t c = 0; c < W; c += line) __builtin_prefetch(KV_AT(pf, at + c, KV), 0, 2);
                 for (int64_t g = 0; g < G; g++) {
                     const float qd = qb[g * D + d];
 #pragma omp simd
-                    for (int64_t i = 0; i < W; i++) acc[g][i] += qd * ld(kb, at + i, BF);
+                    for (int64_t i = 0; i < W; i++) acc[g][i] += qd * ld(kb, at + i, KV);
                 }
             }
         } else {
@@ -226,7 +380,7 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
             for (int64_t d = 0; d < D; d++) {
                 const int64_t at = d * cap + off + l0;
                 for (int64_t g = 0; g < G; g++)
-                    for (int64_t i = 0; i < n; i++) acc[g][i] += qb[g * D + d] * ld(kb, at + i, BF);
+                    for (int64_t i = 0; i < n; i++) acc[g][i] += qb[g * D + d] * ld(kb, at + i, KV);
             }
         }
         const int64_t n = n_keys - l0 < W ? n_keys - l0 : W;
@@ -255,22 +409,28 @@ static inline __attribute__((always_inline)) void softmax(float *restrict sg, in
 static inline __attribute__((always_inline)) void weigh(float acc[GMAX][DMAX], const float *restrict p,
                                                          int64_t S, const void *restrict vb, int64_t off,
                                                          int64_t n, const int64_t G, const int64_t D,
-                                                         const void *restrict pf, const int BF) {
+                                                         const void *restrict pf, const int KV) {
 #ifdef X16
-    if (BF && X16_WEIGH(G, D)) {
+    if (KV == KV_BF16 && X16_WEIGH(G, D)) {
         weigh_x16(acc, p, S, vb, off, n, G, D, pf);
         return;
     }
 #endif
-    const int64_t line = BF ? 32 : 16;
+#ifdef X8
+    if ((KV == KV_E4M3 || KV == KV_E5M2) && X8_WEIGH(G, D)) {
+        weigh_x8(acc, p, S, vb, off, n, G, D, pf, KV);
+        return;
+    }
+#endif
+    const int64_t line = 64 / KV_SIZE(KV);
     for (int64_t l = 0; l < n; l++) {
         const int64_t at = (off + l) * D;
         if (pf)
-            for (int64_t c = 0; c < D; c += line) __builtin_prefetch(KV_AT(pf, l * D + c, BF), 0, 2);
+            for (int64_t c = 0; c < D; c += line) __builtin_prefetch(KV_AT(pf, l * D + c, KV), 0, 2);
         for (int64_t g = 0; g < G; g++) {
             const float pg = p[g * S + l];
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[g][d] += pg * ld(vb, at + d, BF);
+            for (int64_t d = 0; d < D; d++) acc[g][d] += pg * ld(vb, at + d, KV);
         }
     }
 }
@@ -288,17 +448,17 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
                                                         float *restrict s, int64_t S, float scale,
                                                         const int64_t G, const int64_t D,
                                                         const void *restrict nk, const void *restrict nv,
-                                                        const int BF) {
+                                                        const int KV) {
     const int64_t total = plen + len;
-    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL, BF);
-    scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk, BF);
+    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL, KV);
+    scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk, KV);
     for (int64_t g = 0; g < G; g++) softmax(s + g * S, total);
     /* out[g] = sum_l p[g][l] V[l] */
     float acc[GMAX][DMAX];
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
-    if (plen > 0) weigh(acc, s, S, pv, poff, plen, G, D, NULL, BF);
-    weigh(acc, s + plen, S, vb, off, len, G, D, nv, BF);
+    if (plen > 0) weigh(acc, s, S, pv, poff, plen, G, D, NULL, KV);
+    weigh(acc, s + plen, S, vb, off, len, G, D, nv, KV);
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g][d];
 }
@@ -361,15 +521,15 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
 static inline __attribute__((always_inline)) void put(const float *restrict kn, const float *restrict vn,
                                                        void *restrict kt, void *restrict vt, int64_t p,
                                                        int64_t Lcap, void *restrict pk_slot,
-                                                       void *restrict pv_slot, const int64_t D, const int BF) {
-    for (int64_t d = 0; d < D; d++) st(kt, d * Lcap + p, kn[d], BF);
+                                                       void *restrict pv_slot, const int64_t D, const int KV) {
+    for (int64_t d = 0; d < D; d++) st(kt, d * Lcap + p, kn[d], KV);
 #pragma omp simd
-    for (int64_t d = 0; d < D; d++) st(vt, p * D + d, vn[d], BF);
+    for (int64_t d = 0; d < D; d++) st(vt, p * D + d, vn[d], KV);
     if (pk_slot) {
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) {
-            st(pk_slot, d, kn[d], BF);
-            st(pv_slot, d, vn[d], BF);
+            st(pk_slot, d, kn[d], KV);
+            st(pv_slot, d, vn[d], KV);
         }
     }
 }
@@ -378,15 +538,15 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
  * [E, H, Pcap, D]; entry may be NULL: no sharing), then lens[r] - plen[r] of its own. With a window, the
  * keys before lo = lens[r] - window are skipped: first the prefix's, then the row's own. With kn (else
  * NULL), the task first writes the step's new key and value at new_pos[b] of its row (`put`). */
-#define DECODE_ROWS(GC, DC, BF)                                                                        \
+#define DECODE_ROWS(GC, DC, KV)                                                                        \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
         const int64_t i = bh / H, h = bh % H, b = order ? order[i] : i, r = rows ? rows[b] : b;        \
         if (kn)                                                                                        \
             put(kn + b * kn_stride + h * (DC), vn + b * vn_stride + h * (DC),                          \
-                KV_AT(kt, (r * H + h) * (DC) * Lcap, BF), KV_AT(v, (r * H + h) * Lcap * (DC), BF),     \
-                new_pos[b], Lcap, pool_k ? KV_AT(pool_k, (loc[b] * H + h) * (DC), BF) : NULL,          \
-                pool_k ? KV_AT(pool_v, (loc[b] * H + h) * (DC), BF) : NULL, (DC), BF);                 \
+                KV_AT(kt, (r * H + h) * (DC) * Lcap, KV), KV_AT(v, (r * H + h) * Lcap * (DC), KV),     \
+                new_pos[b], Lcap, pool_k ? KV_AT(pool_k, (loc[b] * H + h) * (DC), KV) : NULL,          \
+                pool_k ? KV_AT(pool_v, (loc[b] * H + h) * (DC), KV) : NULL, (DC), KV);                 \
         const int64_t pl = entry ? plen[r] : 0;                                                        \
         const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
         const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;                      \
@@ -394,63 +554,93 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
         const int64_t nb = bh + 1, nh = nb % H, ni = nb < B * H ? nb / H : 0;                         \
         const int64_t nbb = order ? order[ni] : ni, nr = rows ? rows[nbb] : nbb;                       \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
-        head(q + b * q_stride + h * (GC) * (DC), KV_AT(pk, (e * H + h) * (DC) * Pcap, BF),             \
-             KV_AT(pv, (e * H + h) * Pcap * (DC), BF), poff, pl - poff, Pcap,                          \
-             KV_AT(kt, (r * H + h) * (DC) * Lcap, BF), KV_AT(v, (r * H + h) * Lcap * (DC), BF), off,    \
+        head(q + b * q_stride + h * (GC) * (DC), KV_AT(pk, (e * H + h) * (DC) * Pcap, KV),             \
+             KV_AT(pv, (e * H + h) * Pcap * (DC), KV), poff, pl - poff, Pcap,                          \
+             KV_AT(kt, (r * H + h) * (DC) * Lcap, KV), KV_AT(v, (r * H + h) * Lcap * (DC), KV), off,    \
              lens[r] - pl - off, Lcap, out + (b * H + h) * (GC) * (DC), s, Pcap + Lcap, scale, (GC),    \
              (DC),                                                                                     \
-             nb < B * H ? KV_AT(kt, (nr * H + nh) * (DC) * Lcap, BF) : NULL,                            \
-             nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), BF) : NULL, BF);                        \
+             nb < B * H ? KV_AT(kt, (nr * H + nh) * (DC) * Lcap, KV) : NULL,                            \
+             nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), KV) : NULL, KV);                        \
     }
-#define DECODE_F32(GC, DC) DECODE_ROWS(GC, DC, 0)
-#define DECODE_BF16(GC, DC) DECODE_ROWS(GC, DC, 1)
+#define DECODE_F32(GC, DC) DECODE_ROWS(GC, DC, KV_F32)
+#define DECODE_BF16(GC, DC) DECODE_ROWS(GC, DC, KV_BF16)
+#define DECODE_E4M3(GC, DC) DECODE_ROWS(GC, DC, KV_E4M3)
+#define DECODE_E5M2(GC, DC) DECODE_ROWS(GC, DC, KV_E5M2)
 
 int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, const int64_t *rows,
                          const int64_t *order, const int64_t *lens, float *out, float *scratch, int64_t B,
                          int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads, const void *pk,
                          const void *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
-                         const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv_bf16) {
-    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
+                         const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv) {
+    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
+        return -1;
     if (!entry) Pcap = 0;
-    if (kv_bf16) {
+    if (kv == KV_BF16) {
         DISPATCH(DECODE_BF16)
+    } else if (kv == KV_E4M3) {
+        DISPATCH(DECODE_E4M3)
+    } else if (kv == KV_E5M2) {
+        DISPATCH(DECODE_E5M2)
     } else {
         DISPATCH(DECODE_F32)
     }
     return 0;
 }
 
+/* out[0..D) = the fp8 row x[0..D) as float32 (16 at a time where the CPU has AVX-512; the scalar
+ * fp8_value was a tenth of a prefill after a shared prefix). */
+static inline __attribute__((always_inline)) void widen(const void *restrict x, float *restrict out, const int64_t D,
+                                                         const int KV) {
+    int64_t d = 0;
+#ifdef X8
+    const __m512 unit = _mm512_set1_ps(FP8_UNIT(KV));
+    for (; d + 16 <= D; d += 16)
+        _mm512_storeu_ps(out + d, _mm512_mul_ps(fp8x16(_mm_loadu_si128((const __m128i *)((const uint8_t *)x + d)), KV),
+                                                unit));
+#endif
+    for (; d < D; d++) out[d] = ld(x, d, KV);
+}
+
 /* Request b's first n keys of KV head h, from the pool slots slots[0..n), into a K^T tile [D][Lcap] and a
  * V tile [Lcap][D] (the pool is token-major: [S, H, D]; the kernels want positions contiguous per d).
  * K^T is written GATHER_L positions (one cache line) at a time from GATHER_L slots held in L1.
- * SBF / DBF: the pool / the tiles hold bf16; bf16 to bf16 copies the 16-bit words as they are (widening
- * and rounding back would give the same bits at twice the work). */
+ * SKV / DKV: what the pool / the tiles hold; the same kind is copied as it is (widening and rounding back
+ * would give the same bits at twice the work). */
 #define GATHER_L 16
 static inline __attribute__((always_inline)) void gather(const void *restrict pool_k, const void *restrict pool_v,
                                                           const int64_t *restrict slots, int64_t n, int64_t h,
                                                           int64_t H, void *restrict kt, void *restrict vt,
-                                                          int64_t Lcap, const int64_t D, const int SBF,
-                                                          const int DBF) {
-    const int raw = SBF && DBF;
+                                                          int64_t Lcap, const int64_t D, const int SKV,
+                                                          const int DKV) {
+    const int raw = SKV == DKV, size = KV_SIZE(SKV), fp8 = SKV == KV_E4M3 || SKV == KV_E5M2;
+    float rows[GATHER_L][DMAX]; /* fp8 K: the block's rows widened first (a vector pass), then transposed */
     for (int64_t l0 = 0; l0 < n; l0 += GATHER_L) {
         const int64_t m = n - l0 < GATHER_L ? n - l0 : GATHER_L;
-        for (int64_t d = 0; d < D; d++)
-            for (int64_t i = 0; i < m; i++) {
-                const int64_t from = (slots[l0 + i] * H + h) * D + d, to = d * Lcap + l0 + i;
-                if (raw)
-                    ((uint16_t *)kt)[to] = ((const uint16_t *)pool_k)[from];
-                else
-                    st(kt, to, ld(pool_k, from, SBF), DBF);
-            }
+        if (fp8 && !raw) {
+            for (int64_t i = 0; i < m; i++) widen(KV_AT(pool_k, (slots[l0 + i] * H + h) * D, SKV), rows[i], D, SKV);
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t i = 0; i < m; i++) st(kt, d * Lcap + l0 + i, rows[i][d], DKV);
+        } else {
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t i = 0; i < m; i++) {
+                    const int64_t from = (slots[l0 + i] * H + h) * D + d, to = d * Lcap + l0 + i;
+                    if (raw)
+                        __builtin_memcpy(KV_AT(kt, to, DKV), KV_AT(pool_k, from, SKV), size);
+                    else
+                        st(kt, to, ld(pool_k, from, SKV), DKV);
+                }
+        }
         for (int64_t i = 0; i < m; i++) {
             const int64_t at = (slots[l0 + i] * H + h) * D;
             if (raw) {
-                __builtin_memcpy((uint16_t *)vt + (l0 + i) * D, (const uint16_t *)pool_v + at, D * 2);
-                continue;
-            }
+                __builtin_memcpy(KV_AT(vt, (l0 + i) * D, DKV), KV_AT(pool_v, at, SKV), D * size);
+            } else if (fp8 && DKV == KV_F32) {
+                widen(KV_AT(pool_v, at, SKV), (float *)vt + (l0 + i) * D, D, SKV);
+            } else {
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) st(vt, (l0 + i) * D + d, ld(pool_v, at + d, SBF), DBF);
+                for (int64_t d = 0; d < D; d++) st(vt, (l0 + i) * D + d, ld(pool_v, at + d, SKV), DKV);
+            }
         }
     }
 }
@@ -461,16 +651,19 @@ static inline __attribute__((always_inline)) void gather(const void *restrict po
  * torch took an index_select and a permuted copy per (request, layer, K or V). */
 void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots, const int64_t *start,
                    const int64_t *rows, int64_t J, int64_t H, int64_t D, void *kt, void *v, int64_t Lcap,
-                   int threads, int kv_bf16) {
+                   int threads, int kv) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t j = 0; j < J; j++) {
         const int64_t r = rows[j];
         for (int64_t h = 0; h < H; h++) {
-            void *kr = KV_AT(kt, (r * H + h) * D * Lcap, kv_bf16), *vr = KV_AT(v, (r * H + h) * Lcap * D, kv_bf16);
-            if (kv_bf16)
-                gather(pool_k, pool_v, slots + start[j], start[j + 1] - start[j], h, H, kr, vr, Lcap, D, 1, 1);
-            else
-                gather(pool_k, pool_v, slots + start[j], start[j + 1] - start[j], h, H, kr, vr, Lcap, D, 0, 0);
+            void *kr = KV_AT(kt, (r * H + h) * D * Lcap, kv), *vr = KV_AT(v, (r * H + h) * Lcap * D, kv);
+            const int64_t *sl = slots + start[j], n = start[j + 1] - start[j];
+            if (kv == KV_BF16)
+                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_BF16, KV_BF16);
+            else if (kv == KV_F32)
+                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_F32, KV_F32);
+            else /* either fp8: a byte copy */
+                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_E4M3, KV_E4M3);
         }
     }
 }
@@ -489,10 +682,15 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
         float *kb = s + ((GC) > XQ ? (GC) : XQ) * Lcap, *vb = kb + (DC) * Lcap;                         \
         /* keys before the first new token's window are read by none: the tile starts at g0 */       \
         const int64_t g0 = window > 0 && prefix[b] + 1 > window ? prefix[b] + 1 - window : 0;          \
-        if (kv_bf16)                                                                                   \
-            gather(pool_k, pool_v, slots + b * Lcap + g0, prefix[b] + n_new - g0, h, H, kb, vb, Lcap, (DC), 1, 0); \
+        const int64_t *sl = slots + b * Lcap + g0, nk = prefix[b] + n_new - g0;                       \
+        if (kv == KV_BF16)                                                                             \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_BF16, KV_F32);                 \
+        else if (kv == KV_E4M3)                                                                        \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_E4M3, KV_F32);                 \
+        else if (kv == KV_E5M2)                                                                        \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_E5M2, KV_F32);                 \
         else                                                                                           \
-            gather(pool_k, pool_v, slots + b * Lcap + g0, prefix[b] + n_new - g0, h, H, kb, vb, Lcap, (DC), 0, 0); \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_F32, KV_F32);                  \
         int64_t t = q_start[b];                                                                        \
         if (QB > 1)                                                                                    \
             for (; t + QB <= q_start[b + 1]; t += QB)                                                  \
@@ -509,8 +707,9 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
 int extend_attention_f32(const float *q, const void *pool_k, const void *pool_v, const int64_t *slots,
                          const int64_t *q_start, const int64_t *prefix, float *out, float *scratch, int64_t B,
                          int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads,
-                         int64_t window, int kv_bf16) {
-    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0) return -1;
+                         int64_t window, int kv) {
+    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
+        return -1;
     DISPATCH(EXTEND_ROWS)
     return 0;
 }

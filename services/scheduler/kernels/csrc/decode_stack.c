@@ -45,7 +45,7 @@ int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, co
                          int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads, const void *pk,
                          const void *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
-                         const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv_bf16);
+                         const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv);
 
 typedef const void *(*ds_gemm_fn)(int64_t layer, int64_t which);
 
@@ -63,7 +63,7 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
                      int64_t G, int64_t D, int64_t I, float eps, const int64_t *positions, const float *cos_t,
                      const float *sin_t, int64_t half, const int64_t *rows, const int64_t *order,
                      const int64_t *lens, int64_t Lcap, float scale, const int64_t *entry, const int64_t *plen,
-                     int64_t Pcap, const int64_t *new_pos, const int64_t *loc, int kv_bf16, float *ws,
+                     int64_t Pcap, const int64_t *new_pos, const int64_t *loc, int kv, float *ws,
                      int threads, ds_gemm_fn gemm, const int64_t *io) {
     const int64_t Hq = Hkv * G, Q = (Hq + 2 * Hkv) * D;
     float *h = ws, *qkv = h + T * N, *att = qkv + T * Q, *o = att + T * Hq * D, *gu = o + T * N;
@@ -83,7 +83,7 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
                                            G, D, Lcap, scale, threads, PTR(l, DS_PREFIX_K), PTR(l, DS_PREFIX_V),
                                            entry, plen, Pcap, layers[l * DS_COLS + DS_WINDOW], q + Hq * D, Q,
                                            q + (Hq + Hkv) * D, Q, new_pos, PTR(l, DS_POOL_K), PTR(l, DS_POOL_V),
-                                           loc, kv_bf16)))
+                                           loc, kv)))
                 break;
             const void *ob = gemm(l, DS_O);
             if (!ob) { rc = -2; break; }
@@ -104,7 +104,7 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
                                        G, D, Lcap, scale, threads, PTR(l, DS_PREFIX_K), PTR(l, DS_PREFIX_V), entry,
                                        plen, Pcap, layers[l * DS_COLS + DS_WINDOW], qkv + Hq * D, Q,
                                        qkv + (Hq + Hkv) * D, Q, new_pos, PTR(l, DS_POOL_K), PTR(l, DS_POOL_V), loc,
-                                       kv_bf16)))
+                                       kv)))
             break;
         if ((rc = linear_bf16w_f32(att, Hq * D, T, PTR(l, DS_O), N, Hq * D, o, threads))) break;
         add_rms_norm_f32(x, N, o, N, h, PTR(l, DS_NORM_POST), T, N, eps, threads, 0, 0);
