@@ -3,12 +3,14 @@ OpenMP team with it) by the time the caller has the result."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,30 @@ def test_torch_openmp_workers_do_not_outlive_the_call() -> None:
     own, pool = int(out[0]), int(out[1])
     assert own == 0, f"threads left after in_own_thread: {out[2]}"
     assert pool >= 1  # the control: the pool thread keeps its team's worker
+
+
+# Calls the scheduler may hand to asyncio's pool threads (they run no torch op): the rest of the
+# engine's work off its own thread goes through in_own_thread.
+POOL_SAFE = {"engine.wait_idle", "thread.join"}
+
+
+def test_the_scheduler_hands_no_model_work_to_pool_threads() -> None:
+    """A model operation run on a pool thread would leave an OpenMP team behind for the rest of the
+    process (every later decode step's workers then sleep at each barrier: the slowdown in_own_thread
+    exists for), and nothing else would fail: so every asyncio.to_thread / run_in_executor call in the
+    scheduler's code must name a call of POOL_SAFE."""
+    root = Path(__file__).resolve().parents[2] / "services" / "scheduler"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            if node.func.attr == "to_thread" and node.args:
+                target = node.args[0]
+            elif node.func.attr == "run_in_executor" and len(node.args) > 1:
+                target = node.args[1]
+            else:
+                continue
+            found.append((path.relative_to(root).as_posix(), ast.unparse(target)))
+    assert found, "the scan found no call at all: it no longer sees the code"
+    assert [f for f in found if f[1] not in POOL_SAFE] == []
