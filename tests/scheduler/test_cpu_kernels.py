@@ -418,8 +418,10 @@ def test_decode_over_narrow_kv_is_the_float32_kernel_on_the_rounded_keys(kernel,
     rows, new_pos, loc = torch.tensor([2, 0, 3, 1]), torch.tensor([2, 29, 19, 42]), torch.tensor([9, 2, 5, 29])
     kt, kt32 = widened(torch.randn(b, heads, dim, l_cap), dtype)
     v, v32 = widened(torch.randn(b, heads, l_cap, dim), dtype)
+    # the prefix copies hold the same values in prefix_dtype (bf16 for fp8)
     pk, pk32 = widened(torch.randn(2, heads, dim, p_cap), dtype)
     pv, pv32 = widened(torch.randn(2, heads, p_cap, dim), dtype)
+    pk, pv = pk.to(cpu_kernels.prefix_dtype(dtype)), pv.to(cpu_kernels.prefix_dtype(dtype))
     pool_k, pool_v = torch.zeros(slots, heads, dim, dtype=dtype), torch.zeros(slots, heads, dim, dtype=dtype)
     pool_k32, pool_v32 = pool_k.float(), pool_v.float()
     q = torch.randn(b, heads, group, dim)
@@ -435,8 +437,11 @@ def test_decode_over_narrow_kv_is_the_float32_kernel_on_the_rounded_keys(kernel,
                                    new_kv=(k_half.float(), v_half.float()), pool=(pool_k32, pool_v32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(kt.float(), kt32) and torch.equal(pool_k.float(), pool_k32)
-    with pytest.raises(AssertionError):  # one KV dtype for rows, prefixes and pool
+    with pytest.raises(AssertionError):  # one KV dtype for rows and pool, its prefix_dtype for the prefixes
         kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk32, pv32))
+    if dtype != torch.bfloat16:
+        with pytest.raises(AssertionError):
+            kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk.to(dtype), pv.to(dtype)))
 
 
 @pytest.mark.parametrize("dtype", NARROW_KV, ids=str)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.scheduler.kernels.cpu_kernels import prefix_dtype
 from services.scheduler.model_executor.forward_batch import ForwardMode
 from services.scheduler.model_executor.model_runner import ModelRunner, kv_cache_dtype_name
 from tests.scheduler.test_model_runner import Seq, make_batch
@@ -117,7 +118,8 @@ def sharing(runner: ModelRunner, leader: Seq, n: int, own: list[int]) -> Seq:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, kv_cache_dtype: str) -> None:
-    """bfloat16, fp8: the rows, the prefix copies and the pool hold it, the gather path widens what it reads."""
+    """bfloat16, fp8: the rows and the pool hold it, the prefix copies its prefix_dtype (bf16 for fp8: the
+    same values), the gather path widens what it reads."""
     runner = ModelRunner(model_dir, device="cpu", kv_cache_dtype=kv_cache_dtype, max_total_tokens=4096,
                          max_running_requests=16)  # its own rows
     cache = runner.attn_backend.dense
@@ -142,6 +144,7 @@ def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, kv_cac
         torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
 
     step([0, 1, 2, 3])
+    assert cache.prefix_buffers(0)[0].dtype == prefix_dtype(runner.token_to_kv_pool.dtype)
     # The leader and both followers read the 80 shared positions from one entry; the loner has none.
     plen = {s.row: cache.plen_at[cache.row_of[s.row]] for s in seqs}
     assert plen == {leader.row: 80, loner.row: 0, seqs[2].row: 80, seqs[3].row: 80}

@@ -5,7 +5,8 @@ decode cache used to copy those keys into every request's row, so a decode step 
 prefix once per request (workload C: 16 copies of a 512-token system prompt per group). Here a
 prefix is held once: rows that share it keep only their own positions after it, and the C kernel
 scores a row's keys from the prefix buffer, then from its own row, into one array (same arithmetic as
-one buffer). The prefix's keys stay in cache while the group's rows read them.
+one buffer). The prefix's keys stay in cache while the group's rows read them. Over an fp8 pool the copies
+are bf16 (`prefix_dtype`: the same values; read from cache, bf16 widens with fewer instructions).
 
 An entry is keyed by its slots: a request shares entry e iff its first len(e) slots in
 `req_to_token` are e's slots (slots are unique to a live request unless shared through the radix
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from services.scheduler.kernels.cpu_kernels import prefix_dtype
 from services.scheduler.kvcache.memory_pool import TokenToKVPool, doubled
 
 MIN_SHARED = 64  # shorter common prefixes are copied into each row as before
@@ -87,13 +89,14 @@ class SharedPrefixes:
         new_e, new_p = doubled(e_cap, entries, 4), doubled(p_cap, length, 64) + 16
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
-        if new_e * new_p * pool.bytes_per_token > self.max_bytes:
+        dtype = prefix_dtype(pool.dtype)  # fp8 pools: bf16 copies (the same values)
+        if new_e * new_p * pool.bytes_per_token * dtype.itemsize // pool.dtype.itemsize > self.max_bytes:
             return False
         k_new, v_new = [], []
         for layer in range(self.num_layers):
             # Only the C kernel reads these, never past a prefix's length: no zeroing (decode_cache.py).
-            k = torch.empty(new_e, heads, dim, new_p, dtype=pool.dtype, device=pool.device)
-            v = torch.empty(new_e, heads, new_p, dim, dtype=pool.dtype, device=pool.device)
+            k = torch.empty(new_e, heads, dim, new_p, dtype=dtype, device=pool.device)
+            v = torch.empty(new_e, heads, new_p, dim, dtype=dtype, device=pool.device)
             if self.v:
                 k[:e_cap, :, :, :p_cap].copy_(self.k[layer])
                 v[:e_cap, :, :p_cap].copy_(self.v[layer])

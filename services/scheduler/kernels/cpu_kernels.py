@@ -136,6 +136,12 @@ def check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: in
     assert v_buf.shape == (kt_buf.shape[0], h, l_cap, d)
 
 
+def prefix_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shared-prefix copies the decode kernel reads beside a KV cache of `kv_dtype`: the
+    same, but bfloat16 for fp8 (attention.c's PREFIX_KV: the same values, cheaper to widen)."""
+    return torch.bfloat16 if kv_dtype in KV_DTYPES[2:] else kv_dtype
+
+
 def _kv_kind(dtype: torch.dtype) -> int:
     """The kernels' `kv` argument for a KV buffer's dtype."""
     assert dtype in KV_DTYPES, f"KV cache dtype {dtype}: the kernels take {KV_DTYPES}"
@@ -198,7 +204,7 @@ class NativeKernels:
         """window: the layer's sliding window (a row of n keys reads its last `window`); None: all.
         q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
         [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous on CPU, one of KV_DTYPES (the KV
-        dtype: prefix and pool match it); prefix: the shared
+        dtype: the pool matches it, the prefixes are in its prefix_dtype); prefix: the shared
         prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. new_kv: the
         step's new k, v ([B, H, D], each request's contiguous, any stride), first written at
         layout.new_pos of each request's dense row and, with `pool` ([S, H, D] K and V buffers), at pool
@@ -211,7 +217,7 @@ class NativeKernels:
         ptrs: list[int | None] = [None] * 4
         if layout.entry is not None:
             assert prefix is not None and layout.plen is not None  # plen is set together with entry
-            check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap, kv_dtype)
+            check_kv(prefix[0], prefix[1], h, d, layout.entries, layout.p_cap, prefix_dtype(kv_dtype))
             ptrs = [prefix[0].data_ptr(), prefix[1].data_ptr(), layout.entry.data_ptr(), layout.plen.data_ptr()]
         store: list[int | None] = [None, 0, None, 0, None, None, None, None]
         if new_kv is not None:

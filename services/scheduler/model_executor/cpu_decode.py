@@ -26,7 +26,14 @@ from typing import cast
 import torch
 
 from services.scheduler.attention.backend import TorchSDPABackend
-from services.scheduler.kernels.cpu_kernels import STACK_COLUMNS, STACK_GEMM, DecodeLayout, NativeKernels, check_kv
+from services.scheduler.kernels.cpu_kernels import (
+    STACK_COLUMNS,
+    STACK_GEMM,
+    DecodeLayout,
+    NativeKernels,
+    check_kv,
+    prefix_dtype,
+)
 from services.scheduler.kernels.cpu_linear import PackedLinear
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -161,7 +168,7 @@ class NativeDecodeStack:
         shared = layout.entry is not None
         prefix0 = dense.prefix_buffers(0) if shared else None
         if prefix0 is not None:
-            check_kv(prefix0[0], prefix0[1], hkv, d, layout.entries, layout.p_cap, pool.dtype)
+            check_kv(prefix0[0], prefix0[1], hkv, d, layout.entries, layout.p_cap, prefix_dtype(pool.dtype))
         assert prefix0 is not None or not shared
         pk0 = pool.get_kv_buffer(0)[0]
         assert pk0.dtype == pool.dtype and pk0.is_contiguous() and pk0.shape[1:] == (hkv, d)

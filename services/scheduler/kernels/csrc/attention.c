@@ -63,6 +63,10 @@
  * the decode loop 13 %) or E5M2 (fp16's upper byte), without a scale. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
 #define KV_SIZE(KV) ((KV) == KV_F32 ? 4 : (KV) == KV_BF16 ? 2 : 1)
+/* What shared-prefix copies (pk, pv) hold for a kind: the same, but bf16 for fp8. Every fp8 value is a bf16
+ * one, so the same keys; the copies stay in cache while each of their rows reads them, and there the time
+ * goes to widening, which takes bf16 two instructions per 32 keys against fp8's ten. */
+#define PREFIX_KV(KV) ((KV) == KV_E4M3 || (KV) == KV_E5M2 ? KV_BF16 : (KV))
 
 /* fp8 code c (E4M3 or E5M2) as float32, exactly (subnormals by an integer's conversion, so no
  * flush-to-zero setting can lose them). */
@@ -264,8 +268,9 @@ static inline __attribute__((always_inline)) void weigh_x16(float acc[GMAX][DMAX
 /* 16 fp8 codes as float32, E4M3's divided by 256 (fp8_value / FP8_UNIT). E5M2 is fp16's upper byte, and
  * E4M3 is fp16 once its 7 magnitude bits move up one place, 2^-8 times its value; so both widen through
  * the CPU's fp16 conversion (exact, subnormals included, whatever flush-to-zero says), E4M3 in three
- * instructions: the signed widening puts the sign in bit 15 (and 14, cleared). The callers scale the
- * query or the weight by FP8_UNIT instead of each key by it: a power of two, so the same products.
+ * instructions: the signed widening puts the sign in bit 15 (and 14, cleared). The callers take the
+ * FP8_UNIT into the scale of the scores and around the weighted sum (once a call, not a key): a power
+ * of two, so the same sums, bit for bit.
  * 30 layers x 64 rows x ~390 keys (SmolLM2's heads), 2 threads: E4M3 30-34 ms, E5M2 27-29, bf16 36-39. */
 #define FP8_UNIT(KV) ((KV) == KV_E4M3 ? 256.0f : 1.0f)
 static inline __attribute__((always_inline)) __m512 fp8x16(__m128i c, const int KV) {
@@ -283,7 +288,7 @@ static inline __attribute__((always_inline)) void scores_x8(const float *restric
                                                             const int64_t G, const int64_t D,
                                                             const uint8_t *restrict pf, const int KV) {
     const int64_t NV = G > 4 ? 2 : 4, W = 16 * NV;
-    const __m512 sc = _mm512_set1_ps(scale);
+    const __m512 sc = _mm512_set1_ps(scale * FP8_UNIT(KV));
     for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
         const int64_t left = off + l0 + W <= cap ? W : n_keys - l0; /* keys this block may load */
         __mmask16 m[4];
@@ -300,7 +305,7 @@ static inline __attribute__((always_inline)) void scores_x8(const float *restric
             __m512 k[4];
             for (int64_t v = 0; v < NV; v++) k[v] = fp8x16(_mm_maskz_loadu_epi8(m[v], row + 16 * v), KV);
             for (int64_t g = 0; g < G; g++) {
-                const __m512 qd = _mm512_set1_ps(qb[g * D + d] * FP8_UNIT(KV));
+                const __m512 qd = _mm512_set1_ps(qb[g * D + d]);
                 for (int64_t v = 0; v < NV; v++) a[g][v] = _mm512_fmadd_ps(qd, k[v], a[g][v]);
             }
         }
@@ -320,9 +325,10 @@ static inline __attribute__((always_inline)) void weigh_x8(float acc[GMAX][DMAX]
                                                            const int64_t G, const int64_t D,
                                                            const uint8_t *restrict pf, const int KV) {
     const int64_t NV = D / 16;
-    __m512 a[20]; /* [g * NV + v]: elements 16 v .. 16 v + 15 of acc[g] */
+    const __m512 unit = _mm512_set1_ps(FP8_UNIT(KV)), inv = _mm512_set1_ps(1.0f / FP8_UNIT(KV));
+    __m512 a[20]; /* [g * NV + v]: elements 16 v .. 16 v + 15 of acc[g], over FP8_UNIT */
     for (int64_t g = 0; g < G; g++)
-        for (int64_t v = 0; v < NV; v++) a[g * NV + v] = _mm512_loadu_ps(acc[g] + 16 * v);
+        for (int64_t v = 0; v < NV; v++) a[g * NV + v] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + 16 * v), inv);
     for (int64_t l = 0; l < n; l++) {
         const uint8_t *row = vb + (off + l) * D;
         if (pf)
@@ -330,12 +336,12 @@ static inline __attribute__((always_inline)) void weigh_x8(float acc[GMAX][DMAX]
         __m512 x[20];
         for (int64_t v = 0; v < NV; v++) x[v] = fp8x16(_mm_loadu_si128((const __m128i *)(row + 16 * v)), KV);
         for (int64_t g = 0; g < G; g++) {
-            const __m512 pg = _mm512_set1_ps(p[g * S + l] * FP8_UNIT(KV));
+            const __m512 pg = _mm512_set1_ps(p[g * S + l]);
             for (int64_t v = 0; v < NV; v++) a[g * NV + v] = _mm512_fmadd_ps(pg, x[v], a[g * NV + v]);
         }
     }
     for (int64_t g = 0; g < G; g++)
-        for (int64_t v = 0; v < NV; v++) _mm512_storeu_ps(acc[g] + 16 * v, a[g * NV + v]);
+        for (int64_t v = 0; v < NV; v++) _mm512_storeu_ps(acc[g] + 16 * v, _mm512_mul_ps(a[g * NV + v], unit));
 }
 #endif
 
@@ -448,16 +454,16 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
                                                         float *restrict s, int64_t S, float scale,
                                                         const int64_t G, const int64_t D,
                                                         const void *restrict nk, const void *restrict nv,
-                                                        const int KV) {
+                                                        const int PKV, const int KV) {
     const int64_t total = plen + len;
-    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL, KV);
+    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL, PKV);
     scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk, KV);
     for (int64_t g = 0; g < G; g++) softmax(s + g * S, total);
     /* out[g] = sum_l p[g][l] V[l] */
     float acc[GMAX][DMAX];
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
-    if (plen > 0) weigh(acc, s, S, pv, poff, plen, G, D, NULL, KV);
+    if (plen > 0) weigh(acc, s, S, pv, poff, plen, G, D, NULL, PKV);
     weigh(acc, s + plen, S, vb, off, len, G, D, nv, KV);
     for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g][d];
@@ -554,13 +560,13 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
         const int64_t nb = bh + 1, nh = nb % H, ni = nb < B * H ? nb / H : 0;                         \
         const int64_t nbb = order ? order[ni] : ni, nr = rows ? rows[nbb] : nbb;                       \
         float *s = scratch + (int64_t)omp_get_thread_num() * (GC) * (Pcap + Lcap);                      \
-        head(q + b * q_stride + h * (GC) * (DC), KV_AT(pk, (e * H + h) * (DC) * Pcap, KV),             \
-             KV_AT(pv, (e * H + h) * Pcap * (DC), KV), poff, pl - poff, Pcap,                          \
+        head(q + b * q_stride + h * (GC) * (DC), KV_AT(pk, (e * H + h) * (DC) * Pcap, PREFIX_KV(KV)),  \
+             KV_AT(pv, (e * H + h) * Pcap * (DC), PREFIX_KV(KV)), poff, pl - poff, Pcap,               \
              KV_AT(kt, (r * H + h) * (DC) * Lcap, KV), KV_AT(v, (r * H + h) * Lcap * (DC), KV), off,    \
              lens[r] - pl - off, Lcap, out + (b * H + h) * (GC) * (DC), s, Pcap + Lcap, scale, (GC),    \
              (DC),                                                                                     \
              nb < B * H ? KV_AT(kt, (nr * H + nh) * (DC) * Lcap, KV) : NULL,                            \
-             nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), KV) : NULL, KV);                        \
+             nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), KV) : NULL, PREFIX_KV(KV), KV);         \
     }
 #define DECODE_F32(GC, DC) DECODE_ROWS(GC, DC, KV_F32)
 #define DECODE_BF16(GC, DC) DECODE_ROWS(GC, DC, KV_BF16)
@@ -700,7 +706,7 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
             const int64_t n = prefix[b] + (t - q_start[b]) + 1 - g0;                                   \
             const int64_t lo = window > 0 && n > window ? n - window : 0;                              \
             head(q + (t * H + h) * (GC) * (DC), kb, vb, 0, 0, 0, kb, vb, lo, n - lo, Lcap,             \
-                 out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL, 0);          \
+                 out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL, KV_F32, KV_F32); \
         }                                                                                              \
     }
 
