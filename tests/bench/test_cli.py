@@ -33,3 +33,10 @@ def test_dtype_once_or_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("float64", "best,float32"):  # not a dtype; two for one model
         with pytest.raises(SystemExit):
             parse(["--models", "tiny", "--dtype", bad])
+
+
+def test_kv_cache_dtype_takes_the_names_both_servers_share() -> None:
+    assert parse(["--models", "tiny"]).kv_cache_dtype == "auto"
+    assert parse(["--models", "tiny", "--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(SystemExit):
+        parse(["--models", "tiny", "--kv-cache-dtype", "float8"])

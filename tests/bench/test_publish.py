@@ -162,3 +162,12 @@ def test_the_run_records_its_commit() -> None:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=Path(__file__).parent).stdout.strip()
     assert head and commit().removesuffix("-dirty") == head
+
+
+def test_a_run_with_a_kv_cache_dtype_says_so(tree) -> None:
+    out, readme, docs = tree
+    data = json.loads((out / "results.json").read_text())
+    data["kv_cache_dtype"] = "fp8_e4m3"
+    (out / "results.json").write_text(json.dumps(data))
+    publish.publish(publish.load(out), readme, docs)
+    assert "both servers in bfloat16, KV cache fp8_e4m3)" in readme.read_text()

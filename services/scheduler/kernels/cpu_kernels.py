@@ -2,7 +2,8 @@
 prefill; a decode step's K/V store is part of the decode call), the dense decode rows' fill from the KV
 pool, the fused elementwise steps of a layer (rotary, SiLU gate, the
 residual add with its RMSNorm) and greedy argmax. Activations are float32; the attention kernels take
-the KV cache in float32, bfloat16 or fp8 (`KV_DTYPES`: one dtype for pool, dense rows and shared prefixes).
+the KV cache in float32, bfloat16 or fp8 (`KV_DTYPES`: one dtype for pool and dense rows, the shared
+prefixes' copies in its `prefix_dtype`).
 
 `load()` returns None when there is no compiler (a slim image) or the build fails, and callers keep
 their torch path. ctypes releases the GIL for the call. The C code trusts its pointers and sizes, so

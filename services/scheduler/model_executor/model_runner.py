@@ -162,7 +162,7 @@ class ModelRunner:
         by_dtype: dict[torch.dtype, list[str]] = {}
         for part, dtype in parts.items():
             by_dtype.setdefault(dtype, []).append(part)
-        return ", ".join(f"{_name(d)} {' and '.join(names)}" for d, names in by_dtype.items())
+        return ", ".join(f"{kv_cache_dtype_name(d)} {' and '.join(names)}" for d, names in by_dtype.items())
 
     # ---- setup ----
 
