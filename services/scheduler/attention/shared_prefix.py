@@ -90,7 +90,7 @@ class SharedPrefixes:
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
         dtype = prefix_dtype(pool.dtype)  # fp8 pools: bf16 copies (the same values)
-        if new_e * new_p * pool.bytes_per_token * dtype.itemsize // pool.dtype.itemsize > self.max_bytes:
+        if new_e * new_p * 2 * self.num_layers * heads * dim * dtype.itemsize > self.max_bytes:  # K and V
             return False
         k_new, v_new = [], []
         for layer in range(self.num_layers):

@@ -143,7 +143,7 @@ class TokenToKVPool:
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """loc: [T] int64 slots; k, v: [T, num_kv_heads, head_dim]."""
         for buf, x in ((self.k_buffer[layer_id], k), (self.v_buffer[layer_id], v)):
+            x = to_kv(x, self.dtype)
             if self.dtype in FP8_MAX:  # torch has no index_copy_ for fp8: as bytes
-                buf.view(torch.uint8).index_copy_(0, loc, to_kv(x, self.dtype).view(torch.uint8))
-            else:
-                buf.index_copy_(0, loc, x.to(self.dtype))
+                buf, x = buf.view(torch.uint8), x.view(torch.uint8)
+            buf.index_copy_(0, loc, x)
