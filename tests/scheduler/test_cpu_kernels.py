@@ -168,6 +168,47 @@ def test_extend_matches_masked_sdpa_on_ragged_requests(kernel, threads: int, hea
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,group,dim", [(2, 3, 64), (1, 4, 128), (3, 1, 32)])
+@pytest.mark.parametrize("window", [0, 90])
+def test_shared_prefixes_on_tiles_match_the_plain_layout(kernel, threads: int, heads: int, group: int, dim: int,
+                                                        window: int) -> None:
+    """bf16 prefixes in the tile layout (AMX): the prefix part of attention as two tile products over
+    chunks of the rows sharing it, q and its probabilities rounded to bf16 for them. Against the same
+    prefixes in the plain layout (float32 arithmetic on the same bf16 keys): within bf16's rounding, with
+    more rows on one prefix than a chunk holds, prefixes of lengths off the tile sizes, rows sharing only
+    part of one, rows without any, and a window that starts inside the prefix."""
+    if not kernel.prefix_tiles(torch.bfloat16, dim):
+        pytest.skip("no AMX-BF16 tiles on this CPU")
+    from services.scheduler.attention.shared_prefix import tiled_k, tiled_v
+
+    torch.manual_seed(dim + window)
+    b, l_cap, p_cap, e = 45, 48, 160, 3
+    lens_p = [99 if r % 3 == 0 else 128 if r % 3 == 1 else 0 for r in range(b)]  # entry 0: 99, 1: 128
+    plen = torch.tensor(lens_p, dtype=torch.int64)
+    plen[4] = 64  # shares the first 64 of entry 1's 128
+    entry = torch.tensor([r % 3 if lens_p[r] else -1 for r in range(b)], dtype=torch.int64)
+    lens = plen + torch.randint(1, l_cap, (b,))
+    bf = torch.bfloat16
+    pk, pv = torch.randn(e, heads, dim, p_cap).to(bf), torch.randn(e, heads, p_cap, dim).to(bf)
+    kt, v = torch.randn(b, heads, dim, l_cap).to(bf), torch.randn(b, heads, l_cap, dim).to(bf)
+    tk, tv = torch.empty_like(pk), torch.empty_like(pv)  # the same prefixes in the tile layout
+    tiled_k(tk).copy_(pk.view(e, heads, dim // 2, 2, p_cap).transpose(3, 4))
+    tiled_v(tv).copy_(pv.view(e, heads, p_cap // 2, 2, dim).transpose(3, 4))
+    q = torch.randn(b, heads, group, dim)
+    def layout(tiles: bool, p: int = p_cap) -> cpu_kernels.DecodeLayout:
+        return cpu_kernels.decode_layout(lens, l_cap, entry=entry, plen=plen, p_cap=p, entries=e, prefix_tiles=tiles)
+
+    want = kernel.decode_attention(q, kt, v, layout(False), dim ** -0.5, (pk, pv), window=window or None)
+    got = kernel.decode_attention(q, kt, v, layout(True), dim ** -0.5, (tk, tv), window=window or None)
+    assert got.isfinite().all()
+    assert float((got - want).norm() / want.norm()) < 1e-2
+    torch.testing.assert_close(got, want, rtol=0.0, atol=3e-2)
+    no_prefix = plen == 0
+    torch.testing.assert_close(got[no_prefix], want[no_prefix], rtol=0.0, atol=0.0)  # the per-row path, untouched
+    with pytest.raises(AssertionError):  # the tile layout's Pcap is a multiple of TILE_ALIGN
+        layout(True, 144)
+
+
 @pytest.mark.parametrize("heads,group,dim", [(2, 2, 32), (1, 4, 256), (2, 1, 64)])
 @pytest.mark.parametrize("window", [1, 7, 16])
 def test_decode_with_a_window_reads_only_its_last_keys(kernel, threads: int, heads: int, group: int, dim: int,

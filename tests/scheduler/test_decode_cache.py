@@ -141,10 +141,15 @@ def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, kv_cac
     def step(active: list[int]) -> None:
         dense = decode(runner, [seqs[i] for i in active], dense=True)
         gathered = decode(runner, [twins[i] for i in active], dense=False)
-        torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
+        if cache.shared.tiles:  # AMX: the prefix part in bf16 products (test_cpu_kernels.py bounds the kernel)
+            assert float((dense - gathered).norm() / gathered.norm()) < 1e-2  # a misread prefix: ~1
+        else:
+            torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
 
     step([0, 1, 2, 3])
     assert cache.prefix_buffers(0)[0].dtype == prefix_dtype(runner.token_to_kv_pool.dtype)
+    assert cache.shared.tiles == runner.attn_backend.native.prefix_tiles(prefix_dtype(runner.token_to_kv_pool.dtype),
+                                                                         runner.token_to_kv_pool.k_buffer[0].shape[2])
     # The leader and both followers read the 80 shared positions from one entry; the loner has none.
     plen = {s.row: cache.plen_at[cache.row_of[s.row]] for s in seqs}
     assert plen == {leader.row: 80, loner.row: 0, seqs[2].row: 80, seqs[3].row: 80}

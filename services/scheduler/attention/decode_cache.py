@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.attention.shared_prefix import MIN_SHARED, SharedPrefixes
-from services.scheduler.kernels.cpu_kernels import DecodeLayout, NativeKernels, decode_layout
+from services.scheduler.kernels.cpu_kernels import DecodeLayout, NativeKernels, decode_layout, prefix_dtype
 from services.scheduler.kvcache.memory_pool import TokenToKVPool, doubled, rounded
 
 MIN_BUDGET = 1 << 30   # bytes the dense rows may take at least ...
@@ -82,7 +82,8 @@ class DenseDecodeCache:
         self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
         self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
         self.native = native
-        self.shared = (SharedPrefixes(kv_pool, num_layers, shared_budget(self.max_bytes)) if native is not None
+        tiles = native is not None and native.prefix_tiles(prefix_dtype(kv_pool.dtype), kv_pool.k_buffer[0].shape[2])
+        self.shared = (SharedPrefixes(kv_pool, num_layers, shared_budget(self.max_bytes), tiles) if native is not None
                        else None)
         self.entry_at: list[int] = []     # dense row -> its shared prefix entry (-1: none)
         self.plen_at: list[int] = []      # dense row -> that prefix's length (its row starts after it)
@@ -281,7 +282,7 @@ class DenseDecodeCache:
         shared = self.shared if rows.entry_rows is not None else None
         return decode_layout(rows.seq_lens_rows, l_cap, rows.rows, rows.new_pos, loc, self.kv_pool.num_slots,
                              rows.entry_rows, rows.plen_rows, shared.k[0].shape[3] if shared else 0,
-                             shared.k[0].shape[0] if shared else 0)
+                             shared.k[0].shape[0] if shared else 0, shared is not None and shared.tiles)
 
     def prefix_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's shared prefixes, K^T [E, Hkv, D, Pcap] and V [E, Hkv, Pcap, D]; None when none."""

@@ -26,6 +26,9 @@ EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an ex
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
 # What the attention kernels read and write as KV, in attention.c's order of its kinds (KV_F32 ...).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+# attention.c's PREFIX_TILES, a flag of decode's KV kind: the shared prefixes' copies are in the tile layout
+# (shared_prefix.py) and their part of attention runs on AMX tiles; TILE_ALIGN: their Pcap is a multiple of it.
+PREFIX_TILES, TILE_ALIGN = 16, 32
 ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the SiLU gate's and the norm's GEMM-side tensors
 # decode_stack.c's per-layer columns (DS_*): the bf16 weights of qkv, o, gate_up and down, the two norms'
 # weights, the dense rows' K^T and V, the shared prefixes' K^T and V, the KV pool's K and V, the window.
@@ -67,14 +70,16 @@ class DecodeLayout:
     # benchmark's shuffled prompts interleave them; 64 rows on 4 prefixes of 512 keys, 2 threads: see
     # docs/internals.md)
     order: torch.Tensor | None = None
+    prefix_tiles: bool = False         # the prefixes are in the tile layout (NativeKernels.prefix_tiles)
 
 
 def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = None,
                   new_pos: torch.Tensor | None = None, loc: torch.Tensor | None = None, pool_size: int = 0,
                   entry: torch.Tensor | None = None, plen: torch.Tensor | None = None, p_cap: int = 0,
-                  entries: int = 0) -> DecodeLayout:
+                  entries: int = 0, prefix_tiles: bool = False) -> DecodeLayout:
     """Check where each request's keys are against the buffers' capacities (rows None: request b in
-    dense row b; pool_size: slots of the KV pool, for loc)."""
+    dense row b; pool_size: slots of the KV pool, for loc; prefix_tiles: the prefixes' copies are in
+    the tile layout, where a prefix is read up to its length rounded up to TILE_ALIGN)."""
     lens = lens.contiguous()
     rows = torch.arange(len(lens), dtype=torch.int64) if rows is None else rows.contiguous()
     for t in (lens, rows, new_pos, loc, entry, plen):
@@ -85,6 +90,7 @@ def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = No
         assert plen is not None and entry.shape == plen.shape == lens.shape
         entry, plen = entry.contiguous(), plen.contiguous()
         assert 0 <= int(plen.min()) and int(plen.max()) <= p_cap
+        assert not prefix_tiles or (p_cap % TILE_ALIGN == 0 and -(-int(plen.max()) // TILE_ALIGN) * TILE_ALIGN <= p_cap)
         has = plen > 0
         assert bool(((entry >= 0) & (entry < entries))[has].all())
         own = lens - plen
@@ -100,7 +106,7 @@ def decode_layout(lens: torch.Tensor, l_cap: int, rows: torch.Tensor | None = No
         assert loc.shape == rows.shape and 0 <= int(loc.min()) and int(loc.max()) < pool_size
         loc = loc.contiguous()
     return DecodeLayout(rows, lens, l_cap, new_pos, loc, entry, plen, p_cap if entry is not None else 0,
-                        entries, order)
+                        entries, order, prefix_tiles and entry is not None)
 
 
 @dataclass(frozen=True)
@@ -143,10 +149,10 @@ def prefix_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if kv_dtype in KV_DTYPES[2:] else kv_dtype
 
 
-def _kv_kind(dtype: torch.dtype) -> int:
-    """The kernels' `kv` argument for a KV buffer's dtype."""
+def _kv_kind(dtype: torch.dtype, layout: DecodeLayout | None = None) -> int:
+    """The kernels' `kv` argument for a KV buffer's dtype (and, for decode, its layout's prefix flag)."""
     assert dtype in KV_DTYPES, f"KV cache dtype {dtype}: the kernels take {KV_DTYPES}"
-    return KV_DTYPES.index(dtype)
+    return KV_DTYPES.index(dtype) | (PREFIX_TILES if layout is not None and layout.prefix_tiles else 0)
 
 
 def _rows_of_heads(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
@@ -184,7 +190,12 @@ class NativeKernels:
         self._stack = self._fn(lib.decode_stack_f32, ctypes.c_int,
                                [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
                                 _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P])
-        self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int])
+        self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int,
+                                                                   ctypes.c_int])
+        self._decode_scratch = self._fn(lib.decode_scratch, _I, [_I, _I, _I, _I, ctypes.c_int])
+        # AMX tiles for shared prefixes: built for them (-march=native on a CPU with AMX-BF16) and granted
+        # by the kernel (attention.c's prefix_tiles_ready).
+        self.tiles = bool(self._fn(lib.prefix_tiles_ready, ctypes.c_int, [])())
         self._fp8_decode = self._fn(lib.fp8_decode, None, [_P, _P, _I, ctypes.c_int])
         self._fp8_encode = self._fn(lib.fp8_encode, None, [_P, _P, _I, ctypes.c_int])
 
@@ -192,6 +203,11 @@ class NativeKernels:
     def _fn(f, restype, argtypes):
         f.argtypes, f.restype = argtypes, restype
         return f
+
+    def prefix_tiles(self, prefix_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether shared prefixes copied in `prefix_dtype` with this head_dim go on AMX tiles (their
+        copies then in the tile layout: shared_prefix.py)."""
+        return self.tiles and prefix_dtype == torch.bfloat16 and head_dim % 32 == 0
 
     @staticmethod
     def _scratch(g: int, length: int) -> tuple[torch.Tensor, int]:
@@ -235,11 +251,13 @@ class NativeKernels:
         else:
             assert pool is None, "the pool is written only with new_kv"
         out = q.new_empty(b, h, g, d)
-        scratch, threads = self._scratch(g, layout.p_cap + layout.l_cap)
+        kind = _kv_kind(kv_dtype, layout)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * self._decode_scratch(g, d, layout.p_cap, layout.l_cap, kind),
+                              dtype=torch.float32)
         if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
                         _ptr(layout.order), layout.lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, h, g, d,
-                        layout.l_cap, scale, threads, *ptrs, layout.p_cap, window or 0, *store,
-                        _kv_kind(kv_dtype)) != 0:
+                        layout.l_cap, scale, threads, *ptrs, layout.p_cap, window or 0, *store, kind) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out
@@ -415,13 +433,14 @@ class NativeKernels:
             assert h.is_contiguous() and att.is_contiguous() and act.is_contiguous()
             io_ptrs = torch.tensor([h.data_ptr(), att.data_ptr(), act.data_ptr()], dtype=torch.int64)
         # With the callback the workspace is the attention's scratch only (its size at no rows).
-        ws = torch.empty(self._stack_ws(t if gemm is None else 0, n, hkv, g, d, inter, layout.l_cap, p_cap, threads),
-                         dtype=torch.float32)
+        kind = _kv_kind(kv_dtype, layout)
+        ws = torch.empty(self._stack_ws(t if gemm is None else 0, n, hkv, g, d, inter, layout.l_cap, p_cap, threads,
+                                        kind), dtype=torch.float32)
         delta = torch.empty_like(x) if gemm is None else x  # with the callback C writes no delta: any pointer
         rc = self._stack(x.data_ptr(), delta.data_ptr(), t, layers.data_ptr(), layers.shape[0], n, hkv, g, d, inter,
                        eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1], layout.rows.data_ptr(),
                        _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale, _ptr(layout.entry),
-                       _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(), layout.loc.data_ptr(), _kv_kind(kv_dtype),
+                       _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(), layout.loc.data_ptr(), kind,
                        ws.data_ptr(), threads, _NO_GEMM if gemm is None else gemm, _ptr(io_ptrs))
         if rc == STACK_GEMM_FAILED:
             raise RuntimeError("decode stack: a linear's callback failed")

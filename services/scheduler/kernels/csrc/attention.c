@@ -67,6 +67,11 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
  * one, so the same keys; the copies stay in cache while each of their rows reads them, and there the time
  * goes to widening, which takes bf16 two instructions per 32 keys against fp8's eight or ten. */
 #define PREFIX_KV(KV) ((KV) == KV_E4M3 || (KV) == KV_E5M2 ? KV_BF16 : (KV))
+/* A flag of decode's `kv`: the shared-prefix copies (bf16) are in the tile layout and the prefix part of
+ * attention runs on AMX tiles (`prefix_tiles`, below). */
+#define PREFIX_TILES 16
+#define KV_KIND(kv) ((kv) & (PREFIX_TILES - 1))
+#define TILE_CHUNK 16 /* requests of one prefix per tile task, at most */
 
 /* fp8 code c (E4M3 or E5M2) as float32, exactly (subnormals by an integer's conversion, so no
  * flush-to-zero setting can lose them). */
@@ -573,15 +578,274 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
 #define DECODE_E4M3(GC, DC) DECODE_ROWS(GC, DC, KV_E4M3)
 #define DECODE_E5M2(GC, DC) DECODE_ROWS(GC, DC, KV_E5M2)
 
+/* Shared prefixes on AMX tiles (`kv` | PREFIX_TILES; the CPU has AMX-BF16 and the kernel may use it:
+ * prefix_tiles_ready). Every row reading one prefix scores the same keys, so the prefix part of their
+ * attention is two small matrix products: scores = Q K^T over the rows of up to TILE_CHUNK requests (G query
+ * heads each) at once, and their probabilities times V, on the tile unit (bf16 products, float32 sums). The
+ * row's own keys, the softmax and the rest are as in `head`. Q and the prefix's probabilities are rounded to
+ * bf16 for the products (the KV is bf16 already): the prefix part is no longer bit for bit what one buffer
+ * would give, as with any batched GEMM. Per (request chunk, KV head) the prefix's K and V are read once
+ * instead of once per request, and a tile product does 16 x 16 x 32 multiply-adds where a vector FMA does 16.
+ * The copies are laid out as the tiles load them: K^T [E, H, D/2, Pcap, 2] (dimension pairs of each
+ * position side by side), V [E, H, Pcap/2, D, 2] (position pairs of each dimension side by side), with
+ * Pcap a multiple of 32 and V zero from the prefix's end to the next multiple of 32 (shared_prefix.py). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+static int tiles_state; /* 0: not asked yet, 1: granted, -1: refused */
+/* Linux hands out the tile registers' state to a process that asks (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); oneDNN asks too, this does not rely on it. */
+int prefix_tiles_ready(void) {
+    int st = __atomic_load_n(&tiles_state, __ATOMIC_ACQUIRE);
+    if (st == 0) {
+        st = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&tiles_state, st, __ATOMIC_RELEASE);
+    }
+    return st == 1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static inline __attribute__((always_inline)) uint16_t bf16_rne(float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One query row of a tile task: the prefix's scores si[poff, pl) as the tiles left them (unscaled), then its
+ * own scores si[pl, pl + own) (scaled). The softmax over both: the own probabilities stay in si, the prefix's
+ * go to pg as bf16, zero outside [poff, pl) up to P32 (what the second product reads). */
+static inline __attribute__((always_inline)) void tile_softmax(float *restrict si, int64_t poff, int64_t pl,
+                                                               int64_t own, float scale, uint16_t *restrict pg,
+                                                               int64_t P32) {
+    float m = poff < pl ? si[poff] * scale : si[pl];
+#pragma omp simd reduction(max : m)
+    for (int64_t l = poff; l < pl; l++) m = si[l] * scale > m ? si[l] * scale : m;
+#pragma omp simd reduction(max : m)
+    for (int64_t l = pl; l < pl + own; l++) m = si[l] > m ? si[l] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = poff; l < pl; l++) {
+        si[l] = expf(si[l] * scale - m);
+        sum += si[l];
+    }
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = pl; l < pl + own; l++) {
+        si[l] = expf(si[l] - m);
+        sum += si[l];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t l = pl; l < pl + own; l++) si[l] *= inv;
+    for (int64_t l = 0; l < poff; l++) pg[l] = 0;
+    int64_t l = poff;
+#ifdef __AVX512BF16__
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; l + 16 <= pl; l += 16)
+        _mm256_storeu_si256((__m256i *)(pg + l), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(si + l), vinv)));
+#endif
+    for (; l < pl; l++) pg[l] = bf16_rne(si[l] * inv);
+    for (l = pl; l < P32; l++) pg[l] = 0;
+}
+
+/* C[16, 16 n] (float32, ldc floats) = sum over `steps` of A[16, 32] (bf16, lda elements; a step 32 on)
+ * times B[16 pairs, 16 n] (bf16 pairs, ldb elements; a step 16 rows on; its n column blocks 32 elements
+ * apart), n = 4 or 1: four accumulators (tiles 0-3) keep four products in flight where one would wait on
+ * the previous. A is tile 4, B tiles 5 and 6; each 16 rows of 64 bytes (the task's configuration). */
+static inline __attribute__((always_inline)) void tile_product(const uint16_t *a, int64_t lda, const uint16_t *b,
+                                                                int64_t ldb, int64_t steps, float *c, int64_t ldc,
+                                                                const int n) {
+    _tile_zero(0);
+    if (n == 4) {
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < steps; k++) {
+        const uint16_t *bk = b + 16 * k * ldb;
+        _tile_loadd(4, a + 32 * k, lda * 2);
+        _tile_loadd(5, bk, ldb * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        if (n == 4) {
+            _tile_loadd(6, bk + 32, ldb * 2);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, bk + 64, ldb * 2);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, bk + 96, ldb * 2);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    _tile_stored(0, c, ldc * 4);
+    if (n == 4) {
+        _tile_stored(1, c + 16, ldc * 4);
+        _tile_stored(2, c + 32, ldc * 4);
+        _tile_stored(3, c + 48, ldc * 4);
+    }
+}
+
+/* Requests order[i0 .. i0 + n) (one prefix entry each, the same), KV head h. ws: decode_scratch floats. */
+static inline __attribute__((always_inline)) void prefix_tile_task(
+    const float *restrict q, int64_t q_stride, void *kt, void *v, const int64_t *rows, const int64_t *order,
+    int64_t i0, int64_t n, const int64_t *lens, float *out, float *ws, int64_t H, int64_t h, int64_t Lcap,
+    float scale, const uint16_t *pk, const uint16_t *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap,
+    int64_t window, const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride, const int64_t *new_pos,
+    void *pool_k, void *pool_v, const int64_t *loc, const int64_t G, const int64_t D, const int KV) {
+    const int64_t R = n * G, Rp = (R + 15) / 16 * 16, SS = Pcap + Lcap;
+    int64_t P = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t pl = plen[rows[order[i0 + i]]];
+        P = pl > P ? pl : P;
+    }
+    const int64_t P16 = (P + 15) / 16 * 16, P32 = (P + 31) / 32 * 32;
+    float *s = ws;                              /* Rp rows of SS: the prefix's scores, then the row's own */
+    uint16_t *pb = (uint16_t *)(s + Rp * SS);    /* Rp x P32: the prefix's probabilities, bf16 */
+    uint16_t *qb = pb + Rp * P32;                /* Rp x D: the queries, bf16 */
+    float *ob = (float *)(qb + Rp * D);          /* Rp x D: the prefix's weighted V */
+    const int64_t e = entry[rows[order[i0]]];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = order[i0 + i], r = rows[b];
+        if (kn)
+            put(kn + b * kn_stride + h * D, vn + b * vn_stride + h * D, KV_AT(kt, (r * H + h) * D * Lcap, KV),
+                KV_AT(v, (r * H + h) * Lcap * D, KV), new_pos[b], Lcap,
+                pool_k ? KV_AT(pool_k, (loc[b] * H + h) * D, KV) : NULL,
+                pool_k ? KV_AT(pool_v, (loc[b] * H + h) * D, KV) : NULL, D, KV);
+        for (int64_t j = 0; j < G * D; j++) qb[i * G * D + j] = bf16_rne(q[b * q_stride + h * G * D + j]);
+    }
+    for (int64_t j = R * D; j < Rp * D; j++) qb[j] = 0;
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    const uint16_t *kp = pk + (e * H + h) * D * Pcap, *vp = pv + (e * H + h) * Pcap * D;
+    for (int64_t m = 0; m < Rp; m += 16) {
+        int64_t l = 0;
+        for (; l + 64 <= P16; l += 64) tile_product(qb + m * D, D, kp + 2 * l, 2 * Pcap, D / 32, s + m * SS + l, SS, 4);
+        for (; l < P16; l += 16) tile_product(qb + m * D, D, kp + 2 * l, 2 * Pcap, D / 32, s + m * SS + l, SS, 1);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = order[i0 + i], r = rows[b], pl = plen[r];
+        const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;
+        const int64_t poff = lo < pl ? lo : pl, off = lo > pl ? lo - pl : 0, own = lens[r] - pl - off;
+        float *si = s + i * G * SS;
+        /* the next request's own K^T on its way from memory meanwhile, as `head` does */
+        const void *nk = i + 1 < n ? KV_AT(kt, (rows[order[i0 + i + 1]] * H + h) * D * Lcap, KV) : NULL;
+        scores(q + b * q_stride + h * G * D, KV_AT(kt, (r * H + h) * D * Lcap, KV), off, own, Lcap, si + pl, SS,
+               scale, G, D, nk, KV);
+        for (int64_t g = 0; g < G; g++)
+            tile_softmax(si + g * SS, poff, pl, own, scale, pb + (i * G + g) * P32, P32);
+    }
+    for (int64_t j = R * P32; j < Rp * P32; j++) pb[j] = 0;
+    for (int64_t m = 0; m < Rp; m += 16) {
+        int64_t d = 0;
+        for (; d + 64 <= D; d += 64) tile_product(pb + m * P32, P32, vp + 2 * d, 2 * D, P32 / 32, ob + m * D + d, D, 4);
+        for (; d < D; d += 16) tile_product(pb + m * P32, P32, vp + 2 * d, 2 * D, P32 / 32, ob + m * D + d, D, 1);
+    }
+    _tile_release();
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = order[i0 + i], r = rows[b], pl = plen[r];
+        const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;
+        const int64_t off = lo > pl ? lo - pl : 0, own = lens[r] - pl - off;
+        float acc[GMAX][DMAX];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++) acc[g][d] = ob[(i * G + g) * D + d];
+        const void *nv = i + 1 < n ? KV_AT(v, (rows[order[i0 + i + 1]] * H + h) * Lcap * D, KV) : NULL;
+        weigh(acc, s + i * G * SS + pl, SS, KV_AT(v, (r * H + h) * Lcap * D, KV), off, own, G, D, nv, KV);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++) out[(b * H + h) * G * D + g * D + d] = acc[g][d];
+    }
+}
+
+#define DECODE_TILES(GC, DC, KV)                                                                       \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                              \
+    for (int64_t th = 0; th < ntasks * H; th++) {                                                      \
+        const int64_t t = th / H;                                                                      \
+        prefix_tile_task(q, q_stride, kt, v, rows, order, tstart[t], tlen[t], lens, out,               \
+                         scratch + (int64_t)omp_get_thread_num() * per_thread, H, th % H, Lcap, scale,  \
+                         pk, pv, entry, plen, Pcap, window, kn, kn_stride, vn, vn_stride, new_pos,     \
+                         pool_k, pool_v, loc, (GC), (DC), KV);                                         \
+    }
+#define DECODE_TILES_F32(GC, DC) DECODE_TILES(GC, DC, KV_F32)
+#define DECODE_TILES_BF16(GC, DC) DECODE_TILES(GC, DC, KV_BF16)
+#define DECODE_TILES_E4M3(GC, DC) DECODE_TILES(GC, DC, KV_E4M3)
+#define DECODE_TILES_E5M2(GC, DC) DECODE_TILES(GC, DC, KV_E5M2)
+#else
+int prefix_tiles_ready(void) { return 0; }
+#endif
+
+/* Floats of decode_attention_f32's scratch per thread for these shapes and `kv` (with its flag). */
+int64_t decode_scratch(int64_t G, int64_t D, int64_t Pcap, int64_t Lcap, int kv) {
+    if (!(kv & PREFIX_TILES)) return G * (Pcap + Lcap);
+    const int64_t Rp = (TILE_CHUNK * G + 15) / 16 * 16;
+    return Rp * (Pcap + Lcap) + Rp * Pcap / 2 + Rp * D / 2 + Rp * D;
+}
+
+/* The tile tasks: the requests in order[n0 .. B) (sorted by prefix entry) in runs of one entry, each run cut
+ * into chunks of at most `chunk` requests, as even as the run allows; returns how many. */
+static int64_t tile_tasks(const int64_t *rows, const int64_t *order, const int64_t *entry, int64_t n0, int64_t B,
+                          int64_t chunk, int64_t *tstart, int64_t *tlen) {
+    int64_t nt = 0;
+    for (int64_t i = n0; i < B;) {
+        int64_t j = i + 1;
+        while (j < B && entry[rows[order[j]]] == entry[rows[order[i]]]) j++;
+        const int64_t k = (j - i + chunk - 1) / chunk; /* chunks of this run */
+        for (int64_t c = 0; c < k; c++) {
+            tstart[nt] = i + (j - i) * c / k;
+            tlen[nt] = i + (j - i) * (c + 1) / k - tstart[nt];
+            nt++;
+        }
+        i = j;
+    }
+    return nt;
+}
+
 int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, const int64_t *rows,
                          const int64_t *order, const int64_t *lens, float *out, float *scratch, int64_t B,
                          int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads, const void *pk,
                          const void *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
                          const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv) {
+    const int tiles = kv & PREFIX_TILES;
+    kv = KV_KIND(kv);
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
         return -1;
     if (!entry) Pcap = 0;
+    if (tiles && entry && order) {
+#ifdef TILES
+        if (D % 32 || Pcap % 32 || PREFIX_KV(kv) != KV_BF16 || !prefix_tiles_ready()) return -1;
+        /* The requests without a prefix come first in `order` and take the per-request path. */
+        int64_t n0 = 0;
+        while (n0 < B && plen[rows[order[n0]]] == 0) n0++;
+        int64_t tstart[B > n0 ? B - n0 : 1], tlen[B > n0 ? B - n0 : 1];
+        /* Smaller chunks while there are too few tasks to keep every thread busy. */
+        int64_t chunk = TILE_CHUNK, ntasks = tile_tasks(rows, order, entry, n0, B, chunk, tstart, tlen);
+        while (chunk > 4 && ntasks * H < 4 * threads)
+            ntasks = tile_tasks(rows, order, entry, n0, B, chunk /= 2, tstart, tlen);
+        const int64_t per_thread = decode_scratch(G, D, Pcap, Lcap, PREFIX_TILES);
+        const void *pk_ = pk, *pv_ = pv;
+        {
+            const uint16_t *pk = pk_, *pv = pv_;
+            if (kv == KV_BF16) {
+                DISPATCH(DECODE_TILES_BF16)
+            } else if (kv == KV_E4M3) {
+                DISPATCH(DECODE_TILES_E4M3)
+            } else {
+                DISPATCH(DECODE_TILES_E5M2)
+            }
+        }
+        B = n0;
+        if (B == 0) return 0;
+#else
+        return -1;
+#endif
+    }
     if (kv == KV_BF16) {
         DISPATCH(DECODE_BF16)
     } else if (kv == KV_E4M3) {

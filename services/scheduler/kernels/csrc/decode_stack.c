@@ -46,15 +46,16 @@ int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, co
                          const void *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
                          const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv);
+int64_t decode_scratch(int64_t G, int64_t D, int64_t Pcap, int64_t Lcap, int kv);
 
 typedef const void *(*ds_gemm_fn)(int64_t layer, int64_t which);
 
 /* The workspace's size in floats: h, qkv, the attention output, the o_proj output, gate_up, the gate's
- * output, and the attention kernel's scratch (threads * G * (Pcap + Lcap)). */
+ * output, and the attention kernel's scratch (threads * decode_scratch). */
 int64_t decode_stack_workspace(int64_t T, int64_t N, int64_t Hkv, int64_t G, int64_t D, int64_t I, int64_t Lcap,
-                               int64_t Pcap, int threads) {
+                               int64_t Pcap, int threads, int kv) {
     const int64_t Hq = Hkv * G;
-    return T * (N + (Hq + 2 * Hkv) * D + Hq * D + N + 3 * I) + (int64_t)threads * G * (Pcap + Lcap);
+    return T * (N + (Hq + 2 * Hkv) * D + Hq * D + N + 3 * I) + (int64_t)threads * decode_scratch(G, D, Pcap, Lcap, kv);
 }
 
 #define PTR(l, c) ((void *)(intptr_t)layers[(l) * DS_COLS + (c)])
