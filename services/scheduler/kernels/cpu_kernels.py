@@ -22,7 +22,6 @@ import torch
 from services.scheduler.kernels.kernel_build import build
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-EXTEND_BLOCK_ROWS = 8  # attention.c's XQ: query rows (new tokens x group) an extend block scores at once
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
 # What the attention kernels read and write as KV, in attention.c's order of its kinds (KV_F32 ...).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -193,6 +192,7 @@ class NativeKernels:
         self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int,
                                                                    ctypes.c_int])
         self._decode_scratch = self._fn(lib.decode_scratch, _I, [_I, _I, _I, _I, ctypes.c_int])
+        self._extend_scratch = self._fn(lib.extend_scratch, _I, [_I, _I, _I, ctypes.c_int])
         # AMX tiles for shared prefixes: built for them (-march=native on a CPU with AMX-BF16) and granted
         # by the kernel (attention.c's prefix_tiles_ready).
         self.tiles = bool(self._fn(lib.prefix_tiles_ready, ctypes.c_int, [])())
@@ -204,15 +204,15 @@ class NativeKernels:
         f.argtypes, f.restype = argtypes, restype
         return f
 
+    def extend_tiles(self, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether prefill attention over a KV pool of `kv_dtype` runs on AMX tiles (bf16 or fp8: its values
+        are bf16 ones; a float32 pool keeps float32 products)."""
+        return self.tiles and kv_dtype in KV_DTYPES[1:] and head_dim % 32 == 0
+
     def prefix_tiles(self, prefix_dtype: torch.dtype, head_dim: int) -> bool:
         """Whether shared prefixes copied in `prefix_dtype` with this head_dim go on AMX tiles (their
         copies then in the tile layout: shared_prefix.py)."""
         return self.tiles and prefix_dtype == torch.bfloat16 and head_dim % 32 == 0
-
-    @staticmethod
-    def _scratch(g: int, length: int) -> tuple[torch.Tensor, int]:
-        threads = torch.get_num_threads()  # the forward's own threads (set_num_threads / --num-threads)
-        return torch.empty(threads * g * length, dtype=torch.float32), threads
 
     def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, layout: DecodeLayout,
                          scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -252,7 +252,7 @@ class NativeKernels:
             assert pool is None, "the pool is written only with new_kv"
         out = q.new_empty(b, h, g, d)
         kind = _kv_kind(kv_dtype, layout)
-        threads = torch.get_num_threads()
+        threads = torch.get_num_threads()  # the forward's own threads (set_num_threads / --num-threads)
         scratch = torch.empty(threads * self._decode_scratch(g, d, layout.p_cap, layout.l_cap, kind),
                               dtype=torch.float32)
         if self._decode(q.data_ptr(), q.stride(0), kt_buf.data_ptr(), v_buf.data_ptr(), layout.rows.data_ptr(),
@@ -300,11 +300,12 @@ class NativeKernels:
                    kt_buf.data_ptr(), v_buf.data_ptr(), kt_buf.shape[3], torch.get_num_threads(), _kv_kind(pk.dtype))
 
     def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
-                         scale: float, window: int | None = None) -> torch.Tensor:
+                         scale: float, window: int | None = None, tiles: bool | None = None) -> torch.Tensor:
         """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
         float32 contiguous; pool_k, pool_v: [S, H, D] contiguous, one of KV_DTYPES (S >= layout.pool_size). Token
         i of request b sees keys [0, prefix[b] + i], with a sliding window only the last `window` of
-        them. Returns [T, H, G, D]."""
+        them. Returns [T, H, G, D]. tiles: on AMX tiles (bf16 products: attention.c's extend_tile_task);
+        None: where the CPU has them and the pool is bf16 or fp8 (`extend_tiles`)."""
         t, h, g, d = q.shape
         assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
         for buf in (pool_k, pool_v):
@@ -312,10 +313,14 @@ class NativeKernels:
             assert buf.shape[0] >= layout.pool_size and buf.shape[1:] == (h, d)
         b, l_cap = layout.slots.shape
         out = torch.empty_like(q)
-        scratch, threads = self._scratch(max(g, EXTEND_BLOCK_ROWS) + 2 * d, l_cap)  # scores, then K^T and V tiles
+        if tiles is None:
+            tiles = self.extend_tiles(pool_k.dtype, d)
+        kind = _kv_kind(pool_k.dtype) | (PREFIX_TILES if tiles else 0)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * self._extend_scratch(g, d, l_cap, kind), dtype=torch.float32)
         if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
                         layout.q_start.data_ptr(), layout.prefix.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                        b, h, g, d, l_cap, scale, threads, window or 0, _kv_kind(pool_k.dtype)) != 0:
+                        b, h, g, d, l_cap, scale, threads, window or 0, kind) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out

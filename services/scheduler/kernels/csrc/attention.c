@@ -617,6 +617,16 @@ static inline __attribute__((always_inline)) uint16_t bf16_rne(float x) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* out[0..n) = x[0..n) rounded to bf16 (nearest even), 16 at a time where the CPU has AVX512-BF16. */
+static inline __attribute__((always_inline)) void to_bf16(const float *restrict x, uint16_t *restrict out, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512BF16__
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) out[i] = bf16_rne(x[i]);
+}
+
 /* One query row of a tile task: the prefix's scores si[poff, pl) as the tiles left them (unscaled), then its
  * own scores si[pl, pl + own) (scaled). The softmax over both: the own probabilities stay in si, the prefix's
  * go to pg as bf16, zero outside [poff, pl) up to P32 (what the second product reads). */
@@ -714,7 +724,7 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
                 KV_AT(v, (r * H + h) * Lcap * D, KV), new_pos[b], Lcap,
                 pool_k ? KV_AT(pool_k, (loc[b] * H + h) * D, KV) : NULL,
                 pool_k ? KV_AT(pool_v, (loc[b] * H + h) * D, KV) : NULL, D, KV);
-        for (int64_t j = 0; j < G * D; j++) qb[i * G * D + j] = bf16_rne(q[b * q_stride + h * G * D + j]);
+        to_bf16(q + b * q_stride + h * G * D, qb + i * G * D, G * D);
     }
     for (int64_t j = R * D; j < Rp * D; j++) qb[j] = 0;
     tile_config cfg = {0};
@@ -974,12 +984,134 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
         }                                                                                              \
     }
 
+#ifdef TILES
+/* Prefill attention on tiles (`kv` | PREFIX_TILES, a bf16 or fp8 pool): per (request, KV head) its keys go
+ * from the pool into the tile layout (bf16; fp8 widens exactly), then 16 query rows at a time (token-major,
+ * G heads a token) score every key up to the last row's own as tile products, take their causal (and
+ * windowed) softmax as in `tile_softmax`, and weight V as tile products. q and the probabilities are rounded
+ * to bf16 for the products, as on the decode side. Keys before the tile's first row's window are skipped a
+ * multiple of 32 at a time. ws: extend_scratch floats. */
+static inline __attribute__((always_inline)) void extend_tile_task(
+    const float *restrict q, const void *pool_k, const void *pool_v, const int64_t *slots, int64_t t0,
+    int64_t n_new, int64_t pre, int64_t H, int64_t h, float *out, float *ws, int64_t Lcap, float scale,
+    int64_t window, const int64_t G, const int64_t D, const int SKV) {
+    const int64_t g0 = window > 0 && pre + 1 > window ? pre + 1 - window : 0; /* as EXTEND_ROWS */
+    const int64_t nk = pre + n_new - g0, L32 = (nk + 31) / 32 * 32, Lp = (Lcap + 31) / 32 * 32, SS = Lp + 64;
+    uint32_t *kt = (uint32_t *)ws;            /* [D/2][L32] bf16 pairs of dimensions */
+    uint16_t *vt = (uint16_t *)(kt + D / 2 * Lp); /* [L32/2][D][2] bf16 pairs of positions */
+    float *s = (float *)(vt + Lp * D);        /* 16 rows of SS */
+    uint16_t *pb = (uint16_t *)(s + 16 * SS);  /* 16 rows of at most L32 */
+    uint16_t *qb = pb + 16 * Lp;               /* 16 x D */
+    float *ob = (float *)(qb + 16 * D);        /* 16 x D */
+    for (int64_t l = 0; l < L32; l++) {
+        const int64_t at = l < nk ? (slots[g0 + l] * H + h) * D : -1;
+        uint16_t *vr = vt + (l / 2) * 2 * D + (l & 1);
+        if (at < 0) {
+            for (int64_t j = 0; j < D / 2; j++) kt[j * L32 + l] = 0u;
+            for (int64_t d = 0; d < D; d++) vr[2 * d] = 0;
+        } else if (SKV == KV_BF16) { /* as stored: a pair of dimensions is one 32-bit word */
+            const uint32_t *kw = (const uint32_t *)KV_AT(pool_k, at, SKV);
+            const uint16_t *vw = (const uint16_t *)KV_AT(pool_v, at, SKV);
+            for (int64_t j = 0; j < D / 2; j++) kt[j * L32 + l] = kw[j];
+            for (int64_t d = 0; d < D; d++) vr[2 * d] = vw[d];
+        } else { /* fp8: every value is a bf16 one */
+            for (int64_t j = 0; j < D / 2; j++)
+                kt[j * L32 + l] = (uint32_t)bf16_rne(ld(pool_k, at + 2 * j, SKV)) |
+                                  (uint32_t)bf16_rne(ld(pool_k, at + 2 * j + 1, SKV)) << 16;
+            for (int64_t d = 0; d < D; d++) vr[2 * d] = bf16_rne(ld(pool_v, at + d, SKV));
+        }
+    }
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    const int64_t R = n_new * G;
+    for (int64_t m0 = 0; m0 < R; m0 += 16) {
+        const int64_t mr = R - m0 < 16 ? R - m0 : 16;
+        for (int64_t r = 0; r < 16; r++) {
+            const int64_t i = (m0 + r) / G, g = (m0 + r) % G;
+            if (r < mr)
+                to_bf16(q + ((t0 + i) * H + h) * G * D + g * D, qb + r * D, D);
+            else
+                for (int64_t d = 0; d < D; d++) qb[r * D + d] = 0;
+        }
+        const int64_t n_first = pre + m0 / G + 1 - g0, n_last = pre + (m0 + mr - 1) / G + 1 - g0;
+        const int64_t lo_first = window > 0 && n_first > window ? n_first - window : 0;
+        const int64_t k0 = lo_first / 32 * 32, hi16 = (n_last + 15) / 16 * 16, W32 = (n_last - k0 + 31) / 32 * 32;
+        int64_t l = k0;
+        for (; l + 64 <= hi16; l += 64) tile_product(qb, D, (const uint16_t *)kt + 2 * l, 2 * L32, D / 32, s + l - k0, SS, 4);
+        for (; l < hi16; l += 16) tile_product(qb, D, (const uint16_t *)kt + 2 * l, 2 * L32, D / 32, s + l - k0, SS, 1);
+        for (int64_t r = 0; r < 16; r++) {
+            uint16_t *pg = pb + r * W32;
+            if (r >= mr) {
+                for (int64_t j = 0; j < W32; j++) pg[j] = 0;
+                continue;
+            }
+            const int64_t n = pre + (m0 + r) / G + 1 - g0, lo = window > 0 && n > window ? n - window : 0;
+            tile_softmax(s + r * SS, lo - k0, n - k0, 0, scale, pg, W32);
+        }
+        for (int64_t d = 0; d < D; d += 16) {
+            if (d + 64 <= D && d % 64 == 0) {
+                tile_product(pb, W32, vt + k0 * D + 2 * d, 2 * D, W32 / 32, ob + d, D, 4);
+                d += 48;
+            } else {
+                tile_product(pb, W32, vt + k0 * D + 2 * d, 2 * D, W32 / 32, ob + d, D, 1);
+            }
+        }
+        for (int64_t r = 0; r < mr; r++) {
+            const int64_t i = (m0 + r) / G, g = (m0 + r) % G;
+            for (int64_t d = 0; d < D; d++) out[((t0 + i) * H + h) * G * D + g * D + d] = ob[r * D + d];
+        }
+    }
+    _tile_release();
+}
+
+#define EXTEND_TILES(GC, DC)                                                                           \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                             \
+    for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
+        const int64_t b = bh / H, n_new = q_start[b + 1] - q_start[b];                                 \
+        if (n_new == 0) continue;                                                                      \
+        float *ws = scratch + (int64_t)omp_get_thread_num() * per_thread;                              \
+        if (kv == KV_BF16)                                                                             \
+            extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
+                             out, ws, Lcap, scale, window, (GC), (DC), KV_BF16);                       \
+        else if (kv == KV_E4M3)                                                                        \
+            extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
+                             out, ws, Lcap, scale, window, (GC), (DC), KV_E4M3);                       \
+        else                                                                                           \
+            extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
+                             out, ws, Lcap, scale, window, (GC), (DC), KV_E5M2);                       \
+    }
+#endif
+
+/* Floats of extend_attention_f32's scratch per thread for these shapes and `kv` (with its flag). */
+int64_t extend_scratch(int64_t G, int64_t D, int64_t Lcap, int kv) {
+    if (!(kv & PREFIX_TILES)) return ((G > XQ ? G : XQ) + 2 * D) * Lcap;
+    const int64_t Lp = (Lcap + 31) / 32 * 32;
+    return D * Lp + 16 * (Lp + 64) + 8 * Lp + 24 * D;
+}
+
 int extend_attention_f32(const float *q, const void *pool_k, const void *pool_v, const int64_t *slots,
                          const int64_t *q_start, const int64_t *prefix, float *out, float *scratch, int64_t B,
                          int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads,
                          int64_t window, int kv) {
+    const int tiles = kv & PREFIX_TILES;
+    kv = KV_KIND(kv);
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
         return -1;
+    if (tiles) {
+#ifdef TILES
+        if (D % 32 || kv == KV_F32 || !prefix_tiles_ready()) return -1;
+        const int64_t per_thread = extend_scratch(G, D, Lcap, PREFIX_TILES);
+        DISPATCH(EXTEND_TILES)
+        return 0;
+#else
+        return -1;
+#endif
+    }
     DISPATCH(EXTEND_ROWS)
     return 0;
 }
