@@ -25,9 +25,10 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # attention.c's GMAX and DMAX
 # What the attention kernels read and write as KV, in attention.c's order of its kinds (KV_F32 ...).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-# attention.c's PREFIX_TILES, a flag of decode's KV kind: the shared prefixes' copies are in the tile layout
-# (shared_prefix.py) and their part of attention runs on AMX tiles; TILE_ALIGN: their Pcap is a multiple of it.
-PREFIX_TILES, TILE_ALIGN = 16, 32
+# attention.c's KV_TILES, a flag of the kernels' KV kind: attention on AMX tiles (decode: the shared prefixes'
+# part, their copies in the tile layout of shared_prefix.py; extend: all of it); TILE_ALIGN: the tile layout's
+# Pcap is a multiple of it.
+KV_TILES, TILE_ALIGN = 16, 32
 ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the SiLU gate's and the norm's GEMM-side tensors
 # decode_stack.c's per-layer columns (DS_*): the bf16 weights of qkv, o, gate_up and down, the two norms'
 # weights, the dense rows' K^T and V, the shared prefixes' K^T and V, the KV pool's K and V, the window.
@@ -151,7 +152,7 @@ def prefix_dtype(kv_dtype: torch.dtype) -> torch.dtype:
 def _kv_kind(dtype: torch.dtype, layout: DecodeLayout | None = None) -> int:
     """The kernels' `kv` argument for a KV buffer's dtype (and, for decode, its layout's prefix flag)."""
     assert dtype in KV_DTYPES, f"KV cache dtype {dtype}: the kernels take {KV_DTYPES}"
-    return KV_DTYPES.index(dtype) | (PREFIX_TILES if layout is not None and layout.prefix_tiles else 0)
+    return KV_DTYPES.index(dtype) | (KV_TILES if layout is not None and layout.prefix_tiles else 0)
 
 
 def _rows_of_heads(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
@@ -315,7 +316,7 @@ class NativeKernels:
         out = torch.empty_like(q)
         if tiles is None:
             tiles = self.extend_tiles(pool_k.dtype, d)
-        kind = _kv_kind(pool_k.dtype) | (PREFIX_TILES if tiles else 0)
+        kind = _kv_kind(pool_k.dtype) | (KV_TILES if tiles else 0)
         threads = torch.get_num_threads()
         scratch = torch.empty(threads * self._extend_scratch(g, d, l_cap, kind), dtype=torch.float32)
         if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),

@@ -67,10 +67,10 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
  * one, so the same keys; the copies stay in cache while each of their rows reads them, and there the time
  * goes to widening, which takes bf16 two instructions per 32 keys against fp8's eight or ten. */
 #define PREFIX_KV(KV) ((KV) == KV_E4M3 || (KV) == KV_E5M2 ? KV_BF16 : (KV))
-/* A flag of decode's `kv`: the shared-prefix copies (bf16) are in the tile layout and the prefix part of
- * attention runs on AMX tiles (`prefix_tiles`, below). */
-#define PREFIX_TILES 16
-#define KV_KIND(kv) ((kv) & (PREFIX_TILES - 1))
+/* A flag of `kv`: attention runs on AMX tiles (below). For decode: the shared-prefix copies (bf16) are in the
+ * tile layout and their part of attention goes there; for extend: all of it, over a bf16 or fp8 pool. */
+#define KV_TILES 16
+#define KV_KIND(kv) ((kv) & (KV_TILES - 1))
 #define TILE_CHUNK 16 /* requests of one prefix per tile task, at most */
 
 /* fp8 code c (E4M3 or E5M2) as float32, exactly (subnormals by an integer's conversion, so no
@@ -578,7 +578,7 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
 #define DECODE_E4M3(GC, DC) DECODE_ROWS(GC, DC, KV_E4M3)
 #define DECODE_E5M2(GC, DC) DECODE_ROWS(GC, DC, KV_E5M2)
 
-/* Shared prefixes on AMX tiles (`kv` | PREFIX_TILES; the CPU has AMX-BF16 and the kernel may use it:
+/* Shared prefixes on AMX tiles (`kv` | KV_TILES; the CPU has AMX-BF16 and the kernel may use it:
  * prefix_tiles_ready). Every row reading one prefix scores the same keys, so the prefix part of their
  * attention is two small matrix products: scores = Q K^T over the rows of up to TILE_CHUNK requests (G query
  * heads each) at once, and their probabilities times V, on the tile unit (bf16 products, float32 sums). The
@@ -698,6 +698,26 @@ static inline __attribute__((always_inline)) void tile_product(const uint16_t *a
     }
 }
 
+/* C[16, cols] (cols a multiple of 16) by tile_product, four column blocks at a time while they fill. */
+static inline __attribute__((always_inline)) void tile_rows(const uint16_t *a, int64_t lda, const uint16_t *b,
+                                                             int64_t ldb, int64_t steps, float *c, int64_t ldc,
+                                                             int64_t cols) {
+    int64_t n = 0;
+    for (; n + 64 <= cols; n += 64) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 4);
+    for (; n < cols; n += 16) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 1);
+}
+
+/* The task's tile configuration: tiles 0-6, 16 rows of 64 bytes each (release with _tile_release). */
+static inline __attribute__((always_inline)) void tiles_begin(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* Requests order[i0 .. i0 + n) (one prefix entry each, the same), KV head h. ws: decode_scratch floats. */
 static inline __attribute__((always_inline)) void prefix_tile_task(
     const float *restrict q, int64_t q_stride, void *kt, void *v, const int64_t *rows, const int64_t *order,
@@ -727,19 +747,9 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
         to_bf16(q + b * q_stride + h * G * D, qb + i * G * D, G * D);
     }
     for (int64_t j = R * D; j < Rp * D; j++) qb[j] = 0;
-    tile_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    tiles_begin();
     const uint16_t *kp = pk + (e * H + h) * D * Pcap, *vp = pv + (e * H + h) * Pcap * D;
-    for (int64_t m = 0; m < Rp; m += 16) {
-        int64_t l = 0;
-        for (; l + 64 <= P16; l += 64) tile_product(qb + m * D, D, kp + 2 * l, 2 * Pcap, D / 32, s + m * SS + l, SS, 4);
-        for (; l < P16; l += 16) tile_product(qb + m * D, D, kp + 2 * l, 2 * Pcap, D / 32, s + m * SS + l, SS, 1);
-    }
+    for (int64_t m = 0; m < Rp; m += 16) tile_rows(qb + m * D, D, kp, 2 * Pcap, D / 32, s + m * SS, SS, P16);
     for (int64_t i = 0; i < n; i++) {
         const int64_t b = order[i0 + i], r = rows[b], pl = plen[r];
         const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;
@@ -753,11 +763,7 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
             tile_softmax(si + g * SS, poff, pl, own, scale, pb + (i * G + g) * P32, P32);
     }
     for (int64_t j = R * P32; j < Rp * P32; j++) pb[j] = 0;
-    for (int64_t m = 0; m < Rp; m += 16) {
-        int64_t d = 0;
-        for (; d + 64 <= D; d += 64) tile_product(pb + m * P32, P32, vp + 2 * d, 2 * D, P32 / 32, ob + m * D + d, D, 4);
-        for (; d < D; d += 16) tile_product(pb + m * P32, P32, vp + 2 * d, 2 * D, P32 / 32, ob + m * D + d, D, 1);
-    }
+    for (int64_t m = 0; m < Rp; m += 16) tile_rows(pb + m * P32, P32, vp, 2 * D, P32 / 32, ob + m * D, D, D);
     _tile_release();
     for (int64_t i = 0; i < n; i++) {
         const int64_t b = order[i0 + i], r = rows[b], pl = plen[r];
@@ -792,7 +798,7 @@ int prefix_tiles_ready(void) { return 0; }
 
 /* Floats of decode_attention_f32's scratch per thread for these shapes and `kv` (with its flag). */
 int64_t decode_scratch(int64_t G, int64_t D, int64_t Pcap, int64_t Lcap, int kv) {
-    if (!(kv & PREFIX_TILES)) return G * (Pcap + Lcap);
+    if (!(kv & KV_TILES)) return G * (Pcap + Lcap);
     const int64_t Rp = (TILE_CHUNK * G + 15) / 16 * 16;
     return Rp * (Pcap + Lcap) + Rp * Pcap / 2 + Rp * D / 2 + Rp * D;
 }
@@ -822,7 +828,7 @@ int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, co
                          const void *pv, const int64_t *entry, const int64_t *plen, int64_t Pcap, int64_t window,
                          const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride,
                          const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv) {
-    const int tiles = kv & PREFIX_TILES;
+    const int tiles = kv & KV_TILES;
     kv = KV_KIND(kv);
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
         return -1;
@@ -838,7 +844,7 @@ int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, co
         int64_t chunk = TILE_CHUNK, ntasks = tile_tasks(rows, order, entry, n0, B, chunk, tstart, tlen);
         while (chunk > 4 && ntasks * H < 4 * threads)
             ntasks = tile_tasks(rows, order, entry, n0, B, chunk /= 2, tstart, tlen);
-        const int64_t per_thread = decode_scratch(G, D, Pcap, Lcap, PREFIX_TILES);
+        const int64_t per_thread = decode_scratch(G, D, Pcap, Lcap, KV_TILES);
         const void *pk_ = pk, *pv_ = pv;
         {
             const uint16_t *pk = pk_, *pv = pv_;
@@ -985,7 +991,7 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
     }
 
 #ifdef TILES
-/* Prefill attention on tiles (`kv` | PREFIX_TILES, a bf16 or fp8 pool): per (request, KV head) its keys go
+/* Prefill attention on tiles (`kv` | KV_TILES, a bf16 or fp8 pool): per (request, KV head) its keys go
  * from the pool into the tile layout (bf16; fp8 widens exactly), then 16 query rows at a time (token-major,
  * G heads a token) score every key up to the last row's own as tile products, take their causal (and
  * windowed) softmax as in `tile_softmax`, and weight V as tile products. q and the probabilities are rounded
@@ -1021,13 +1027,7 @@ static inline __attribute__((always_inline)) void extend_tile_task(
             for (int64_t d = 0; d < D; d++) vr[2 * d] = bf16_rne(ld(pool_v, at + d, SKV));
         }
     }
-    tile_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    tiles_begin();
     const int64_t R = n_new * G;
     for (int64_t m0 = 0; m0 < R; m0 += 16) {
         const int64_t mr = R - m0 < 16 ? R - m0 : 16;
@@ -1041,9 +1041,7 @@ static inline __attribute__((always_inline)) void extend_tile_task(
         const int64_t n_first = pre + m0 / G + 1 - g0, n_last = pre + (m0 + mr - 1) / G + 1 - g0;
         const int64_t lo_first = window > 0 && n_first > window ? n_first - window : 0;
         const int64_t k0 = lo_first / 32 * 32, hi16 = (n_last + 15) / 16 * 16, W32 = (n_last - k0 + 31) / 32 * 32;
-        int64_t l = k0;
-        for (; l + 64 <= hi16; l += 64) tile_product(qb, D, (const uint16_t *)kt + 2 * l, 2 * L32, D / 32, s + l - k0, SS, 4);
-        for (; l < hi16; l += 16) tile_product(qb, D, (const uint16_t *)kt + 2 * l, 2 * L32, D / 32, s + l - k0, SS, 1);
+        tile_rows(qb, D, (const uint16_t *)kt + 2 * k0, 2 * L32, D / 32, s, SS, hi16 - k0);
         for (int64_t r = 0; r < 16; r++) {
             uint16_t *pg = pb + r * W32;
             if (r >= mr) {
@@ -1053,14 +1051,7 @@ static inline __attribute__((always_inline)) void extend_tile_task(
             const int64_t n = pre + (m0 + r) / G + 1 - g0, lo = window > 0 && n > window ? n - window : 0;
             tile_softmax(s + r * SS, lo - k0, n - k0, 0, scale, pg, W32);
         }
-        for (int64_t d = 0; d < D; d += 16) {
-            if (d + 64 <= D && d % 64 == 0) {
-                tile_product(pb, W32, vt + k0 * D + 2 * d, 2 * D, W32 / 32, ob + d, D, 4);
-                d += 48;
-            } else {
-                tile_product(pb, W32, vt + k0 * D + 2 * d, 2 * D, W32 / 32, ob + d, D, 1);
-            }
-        }
+        tile_rows(pb, W32, vt + k0 * D, 2 * D, W32 / 32, ob, D, D);
         for (int64_t r = 0; r < mr; r++) {
             const int64_t i = (m0 + r) / G, g = (m0 + r) % G;
             for (int64_t d = 0; d < D; d++) out[((t0 + i) * H + h) * G * D + g * D + d] = ob[r * D + d];
@@ -1089,7 +1080,7 @@ static inline __attribute__((always_inline)) void extend_tile_task(
 
 /* Floats of extend_attention_f32's scratch per thread for these shapes and `kv` (with its flag). */
 int64_t extend_scratch(int64_t G, int64_t D, int64_t Lcap, int kv) {
-    if (!(kv & PREFIX_TILES)) return ((G > XQ ? G : XQ) + 2 * D) * Lcap;
+    if (!(kv & KV_TILES)) return ((G > XQ ? G : XQ) + 2 * D) * Lcap;
     const int64_t Lp = (Lcap + 31) / 32 * 32;
     return D * Lp + 16 * (Lp + 64) + 8 * Lp + 24 * D;
 }
@@ -1098,14 +1089,14 @@ int extend_attention_f32(const float *q, const void *pool_k, const void *pool_v,
                          const int64_t *q_start, const int64_t *prefix, float *out, float *scratch, int64_t B,
                          int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads,
                          int64_t window, int kv) {
-    const int tiles = kv & PREFIX_TILES;
+    const int tiles = kv & KV_TILES;
     kv = KV_KIND(kv);
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
         return -1;
     if (tiles) {
 #ifdef TILES
         if (D % 32 || kv == KV_F32 || !prefix_tiles_ready()) return -1;
-        const int64_t per_thread = extend_scratch(G, D, Lcap, PREFIX_TILES);
+        const int64_t per_thread = extend_scratch(G, D, Lcap, KV_TILES);
         DISPATCH(EXTEND_TILES)
         return 0;
 #else
