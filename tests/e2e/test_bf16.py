@@ -50,7 +50,7 @@ class Case:
 
 CASES = {
     # measured 96.9% / 0.030 / 0.19 (bf16 KV; 96.4% / 0.031 / 0.24 with float32 KV), AMD EPYC with AVX512-BF16;
-    # 97.5% / 0.029 / 0.20 on an Intel Xeon with AMX (shared system prompt on tiles)
+    # 96.9% / 0.030 / 0.14 on an Intel Xeon with AMX (the shared system prompt and the prefill after it on tiles)
     "bf16": Case("--dtype bfloat16", "bfloat16", "bfloat16", "bfloat16", 0.93, 0.06, 0.5),
     # measured 98.2% / 0.0038 / 0.033 on an AMD EPYC with AVX2, 98.7% / 0.0037 / 0.036 with AVX512-BF16
     "bf16-kv": Case("--kv-cache-dtype bfloat16", "float32", "float32", "bfloat16", 0.95, 0.02, 0.3),

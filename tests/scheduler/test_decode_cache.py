@@ -116,11 +116,14 @@ def sharing(runner: ModelRunner, leader: Seq, n: int, own: list[int]) -> Seq:
     return s
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
-def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "float32"), ("float32", "bfloat16"),
+                                                  ("float32", "fp8_e4m3"), ("float32", "fp8_e5m2"),
+                                                  ("bfloat16", "bfloat16"), ("bfloat16", "fp8_e4m3")])
+def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, dtype: str, kv_cache_dtype: str) -> None:
     """bfloat16, fp8: the rows and the pool hold it, the prefix copies its prefix_dtype (bf16 for fp8: the
-    same values), the gather path widens what it reads."""
-    runner = ModelRunner(model_dir, device="cpu", kv_cache_dtype=kv_cache_dtype, max_total_tokens=4096,
+    same values), the gather path widens what it reads. Under bf16 linears on a CPU with AMX the prefix
+    goes on tiles (bf16 products); under float32 linears never."""
+    runner = ModelRunner(model_dir, device="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_total_tokens=4096,
                          max_running_requests=16)  # its own rows
     cache = runner.attn_backend.dense
     assert cache.shared is not None  # on with the C kernel
@@ -148,8 +151,9 @@ def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, kv_cac
 
     step([0, 1, 2, 3])
     assert cache.prefix_buffers(0)[0].dtype == prefix_dtype(runner.token_to_kv_pool.dtype)
-    assert cache.shared.tiles == runner.attn_backend.native.prefix_tiles(prefix_dtype(runner.token_to_kv_pool.dtype),
-                                                                         runner.token_to_kv_pool.k_buffer[0].shape[2])
+    native = runner.attn_backend.native
+    assert cache.shared.tiles == (dtype == "bfloat16" and native.prefix_tiles(
+        prefix_dtype(runner.token_to_kv_pool.dtype), runner.token_to_kv_pool.k_buffer[0].shape[2]))
     # The leader and both followers read the 80 shared positions from one entry; the loner has none.
     plen = {s.row: cache.plen_at[cache.row_of[s.row]] for s in seqs}
     assert plen == {leader.row: 80, loner.row: 0, seqs[2].row: 80, seqs[3].row: 80}

@@ -68,8 +68,10 @@ class DecodeRows:
 
 class DenseDecodeCache:
     def __init__(self, kv_pool: TokenToKVPool, req_to_token: torch.Tensor, num_layers: int,
-                 max_context_len: int, max_bytes: int | None = None, native: NativeKernels | None = None) -> None:
-        """native: the C kernels read the rows (and fill them from the pool); None: the torch path."""
+                 max_context_len: int, max_bytes: int | None = None, native: NativeKernels | None = None,
+                 tiles: bool = False) -> None:
+        """native: the C kernels read the rows (and fill them from the pool); None: the torch path. tiles:
+        shared prefixes go on AMX tiles where `native` has them for their dtype (the backend's choice)."""
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.num_layers = num_layers
@@ -82,7 +84,8 @@ class DenseDecodeCache:
         self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
         self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
         self.native = native
-        tiles = native is not None and native.prefix_tiles(prefix_dtype(kv_pool.dtype), kv_pool.k_buffer[0].shape[2])
+        tiles = tiles and native is not None and native.prefix_tiles(prefix_dtype(kv_pool.dtype),
+                                                                     kv_pool.k_buffer[0].shape[2])
         self.shared = (SharedPrefixes(kv_pool, num_layers, shared_budget(self.max_bytes), tiles) if native is not None
                        else None)
         self.entry_at: list[int] = []     # dense row -> its shared prefix entry (-1: none)

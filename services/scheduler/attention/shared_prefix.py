@@ -8,11 +8,11 @@ scores a row's keys from the prefix buffer, then from its own row, into one arra
 one buffer). The prefix's keys stay in cache while the group's rows read them. Over an fp8 pool the copies
 are bf16 (`prefix_dtype`: the same values; read from cache, bf16 widens with fewer instructions).
 
-Where the CPU has AMX-BF16 and the copies are bf16 (`tiles`), the kernel computes the prefix part of a
-chunk of its rows' attention as two tile products (attention.c, "Shared prefixes on AMX tiles"), and the
-copies are kept in the layout the tiles load: K^T [E, H, D/2, Pcap, 2] and V [E, H, Pcap/2, D, 2] in the
-buffers' [E, H, D, Pcap] and [E, H, Pcap, D], Pcap a multiple of TILE_ALIGN, V zero past each prefix up to
-it.
+Under bf16 linears, where the CPU has AMX-BF16 and the copies are bf16 (`tiles`, the attention backend's
+choice), the kernel computes the prefix part of a chunk of its rows' attention as two tile products
+(attention.c, "Shared prefixes on AMX tiles"), and the copies are kept in the layout the tiles load: K^T
+[E, H, D/2, Pcap, 2] and V [E, H, Pcap/2, D, 2] in the buffers' [E, H, D, Pcap] and [E, H, Pcap, D], Pcap a
+multiple of TILE_ALIGN, V zero past each prefix up to it.
 
 An entry is keyed by its slots: a request shares entry e iff its first len(e) slots in
 `req_to_token` are e's slots (slots are unique to a live request unless shared through the radix

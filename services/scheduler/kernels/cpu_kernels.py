@@ -301,12 +301,12 @@ class NativeKernels:
                    kt_buf.data_ptr(), v_buf.data_ptr(), kt_buf.shape[3], torch.get_num_threads(), _kv_kind(pk.dtype))
 
     def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
-                         scale: float, window: int | None = None, tiles: bool | None = None) -> torch.Tensor:
+                         scale: float, window: int | None = None, tiles: bool = False) -> torch.Tensor:
         """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
         float32 contiguous; pool_k, pool_v: [S, H, D] contiguous, one of KV_DTYPES (S >= layout.pool_size). Token
         i of request b sees keys [0, prefix[b] + i], with a sliding window only the last `window` of
-        them. Returns [T, H, G, D]. tiles: on AMX tiles (bf16 products: attention.c's extend_tile_task);
-        None: where the CPU has them and the pool is bf16 or fp8 (`extend_tiles`)."""
+        them. Returns [T, H, G, D]. tiles: on AMX tiles (bf16 products: attention.c's extend_tile_task),
+        where `extend_tiles` says the CPU and the pool allow it."""
         t, h, g, d = q.shape
         assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
         for buf in (pool_k, pool_v):
@@ -314,8 +314,6 @@ class NativeKernels:
             assert buf.shape[0] >= layout.pool_size and buf.shape[1:] == (h, d)
         b, l_cap = layout.slots.shape
         out = torch.empty_like(q)
-        if tiles is None:
-            tiles = self.extend_tiles(pool_k.dtype, d)
         kind = _kv_kind(pool_k.dtype) | (KV_TILES if tiles else 0)
         threads = torch.get_num_threads()
         scratch = torch.empty(threads * self._extend_scratch(g, d, l_cap, kind), dtype=torch.float32)
