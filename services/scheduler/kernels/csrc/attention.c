@@ -788,7 +788,6 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
                          pk, pv, entry, plen, Pcap, window, kn, kn_stride, vn, vn_stride, new_pos,     \
                          pool_k, pool_v, loc, (GC), (DC), KV);                                         \
     }
-#define DECODE_TILES_F32(GC, DC) DECODE_TILES(GC, DC, KV_F32)
 #define DECODE_TILES_BF16(GC, DC) DECODE_TILES(GC, DC, KV_BF16)
 #define DECODE_TILES_E4M3(GC, DC) DECODE_TILES(GC, DC, KV_E4M3)
 #define DECODE_TILES_E5M2(GC, DC) DECODE_TILES(GC, DC, KV_E5M2)
