@@ -176,7 +176,7 @@ def test_shared_prefixes_on_tiles_match_the_plain_layout(kernel, threads: int, h
     prefixes in the plain layout (float32 arithmetic on the same bf16 keys): within bf16's rounding, with
     more rows on one prefix than a chunk holds, prefixes of lengths off the tile sizes, rows sharing only
     part of one, rows without any, and a window that starts inside the prefix."""
-    if not kernel.prefix_tiles(torch.bfloat16, dim):
+    if not kernel.tiles_for(torch.bfloat16, dim):
         pytest.skip("no AMX-BF16 tiles on this CPU")
     from services.scheduler.attention.shared_prefix import tiled_k, tiled_v
 
@@ -514,7 +514,7 @@ def test_extend_on_tiles_matches_the_float32_kernel(kernel, threads: int, heads:
     """Prefill on AMX tiles over a bf16 or fp8 pool (q and the probabilities rounded to bf16 for the
     products) against the float32 kernel on the same keys: within bf16's rounding, for requests of one to
     many query tiles, after cached prefixes, with a window that starts past the first 32 keys."""
-    if not kernel.extend_tiles(dtype, dim):
+    if not kernel.tiles_for(dtype, dim):
         pytest.skip("no AMX-BF16 tiles on this CPU")
     torch.manual_seed(heads + group + dim)
     lens, prefix = [1, 70, 5, 17, 40, 3], [0, 0, 33, 2, 90, 130]

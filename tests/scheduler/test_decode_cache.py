@@ -152,8 +152,8 @@ def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, dtype:
     step([0, 1, 2, 3])
     assert cache.prefix_buffers(0)[0].dtype == prefix_dtype(runner.token_to_kv_pool.dtype)
     native = runner.attn_backend.native
-    assert cache.shared.tiles == (dtype == "bfloat16" and native.prefix_tiles(
-        prefix_dtype(runner.token_to_kv_pool.dtype), runner.token_to_kv_pool.k_buffer[0].shape[2]))
+    assert cache.shared.tiles == (dtype == "bfloat16" and native.tiles_for(
+        runner.token_to_kv_pool.dtype, runner.token_to_kv_pool.k_buffer[0].shape[2]))
     # The leader and both followers read the 80 shared positions from one entry; the loner has none.
     plen = {s.row: cache.plen_at[cache.row_of[s.row]] for s in seqs}
     assert plen == {leader.row: 80, loner.row: 0, seqs[2].row: 80, seqs[3].row: 80}

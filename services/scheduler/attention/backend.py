@@ -103,7 +103,7 @@ class TorchSDPABackend:
         # bf16 compute (bf16 linears) on a CPU with AMX: shared prefixes and prefill after a cached prefix
         # attend by bf16 tile products; under float32 linears the attention arithmetic stays float32,
         # whatever the KV cache holds.
-        self.tiles = self.prefill_bf16
+        self.tiles = self.prefill_bf16 and native is not None and native.tiles_for(kv_pool.dtype, head_dim)
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
                                        self.req_to_token.shape[1], max_bytes=decode_cache_bytes,
@@ -322,9 +322,8 @@ class TorchSDPABackend:
         kb, vb = self.kv_pool.get_kv_buffer(layer_id)
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
         q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim)
-        tiles = self.tiles and self.native.extend_tiles(kb.dtype, self.head_dim)
         out = self.native.extend_attention(q_groups.contiguous(), kb, vb, md.extend_layout, scale,
-                                           window=self.windows[layer_id], tiles=tiles)  # [T, Hkv, G, D]
+                                           window=self.windows[layer_id], tiles=self.tiles)  # [T, Hkv, G, D]
         return out.view(t, -1)  # [T, Hq * D]
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.attention.shared_prefix import MIN_SHARED, SharedPrefixes
-from services.scheduler.kernels.cpu_kernels import DecodeLayout, NativeKernels, decode_layout, prefix_dtype
+from services.scheduler.kernels.cpu_kernels import DecodeLayout, NativeKernels, decode_layout
 from services.scheduler.kvcache.memory_pool import TokenToKVPool, doubled, rounded
 
 MIN_BUDGET = 1 << 30   # bytes the dense rows may take at least ...
@@ -71,7 +71,7 @@ class DenseDecodeCache:
                  max_context_len: int, max_bytes: int | None = None, native: NativeKernels | None = None,
                  tiles: bool = False) -> None:
         """native: the C kernels read the rows (and fill them from the pool); None: the torch path. tiles:
-        shared prefixes go on AMX tiles where `native` has them for their dtype (the backend's choice)."""
+        shared prefixes go on AMX tiles (the backend's choice, NativeKernels.tiles_for)."""
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.num_layers = num_layers
@@ -84,8 +84,6 @@ class DenseDecodeCache:
         self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
         self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
         self.native = native
-        tiles = tiles and native is not None and native.prefix_tiles(prefix_dtype(kv_pool.dtype),
-                                                                     kv_pool.k_buffer[0].shape[2])
         self.shared = (SharedPrefixes(kv_pool, num_layers, shared_budget(self.max_bytes), tiles) if native is not None
                        else None)
         self.entry_at: list[int] = []     # dense row -> its shared prefix entry (-1: none)

@@ -32,7 +32,7 @@ MIN_SHARED = 64  # shorter common prefixes are copied into each row as before
 
 class SharedPrefixes:
     def __init__(self, kv_pool: TokenToKVPool, num_layers: int, max_bytes: int, tiles: bool = False) -> None:
-        """tiles: the copies are in the tile layout (NativeKernels.prefix_tiles said so for their dtype)."""
+        """tiles: the copies are in the tile layout (the attention backend chose tiles: NativeKernels.tiles_for)."""
         self.kv_pool = kv_pool
         self.num_layers = num_layers
         self.max_bytes = max_bytes

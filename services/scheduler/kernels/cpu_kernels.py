@@ -205,15 +205,11 @@ class NativeKernels:
         f.argtypes, f.restype = argtypes, restype
         return f
 
-    def extend_tiles(self, kv_dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether prefill attention over a KV pool of `kv_dtype` runs on AMX tiles (bf16 or fp8: its values
-        are bf16 ones; a float32 pool keeps float32 products)."""
-        return self.tiles and kv_dtype in KV_DTYPES[1:] and head_dim % 32 == 0
-
-    def prefix_tiles(self, prefix_dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether shared prefixes copied in `prefix_dtype` with this head_dim go on AMX tiles (their
-        copies then in the tile layout: shared_prefix.py)."""
-        return self.tiles and prefix_dtype == torch.bfloat16 and head_dim % 32 == 0
+    def tiles_for(self, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether attention over a KV cache of `kv_dtype` can run on AMX tiles here: the CPU has them, the
+        cache is bf16 or fp8 (its values, and its shared prefixes' copies, are bf16 ones; float32 keeps
+        float32 products) and head_dim is a multiple of 32."""
+        return self.tiles and prefix_dtype(kv_dtype) == torch.bfloat16 and head_dim % 32 == 0
 
     def decode_attention(self, q: torch.Tensor, kt_buf: torch.Tensor, v_buf: torch.Tensor, layout: DecodeLayout,
                          scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -306,7 +302,7 @@ class NativeKernels:
         float32 contiguous; pool_k, pool_v: [S, H, D] contiguous, one of KV_DTYPES (S >= layout.pool_size). Token
         i of request b sees keys [0, prefix[b] + i], with a sliding window only the last `window` of
         them. Returns [T, H, G, D]. tiles: on AMX tiles (bf16 products: attention.c's extend_tile_task),
-        where `extend_tiles` says the CPU and the pool allow it."""
+        where `tiles_for` says the CPU and the pool allow it."""
         t, h, g, d = q.shape
         assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
         for buf in (pool_k, pool_v):

@@ -611,20 +611,14 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-static inline __attribute__((always_inline)) uint16_t bf16_rne(float x) {
-    uint32_t u;
-    __builtin_memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* out[0..n) = x[0..n) rounded to bf16 (nearest even), 16 at a time where the CPU has AVX512-BF16. */
+/* out[0..n) = x[0..n) rounded to bf16 (nearest even, as `st`), 16 at a time where the CPU has AVX512-BF16. */
 static inline __attribute__((always_inline)) void to_bf16(const float *restrict x, uint16_t *restrict out, int64_t n) {
     int64_t i = 0;
 #ifdef __AVX512BF16__
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
 #endif
-    for (; i < n; i++) out[i] = bf16_rne(x[i]);
+    for (; i < n; i++) st(out, i, x[i], KV_BF16);
 }
 
 /* One query row of a tile task: the prefix's scores si[poff, pl) as the tiles left them (unscaled), then its
@@ -659,7 +653,7 @@ static inline __attribute__((always_inline)) void tile_softmax(float *restrict s
     for (; l + 16 <= pl; l += 16)
         _mm256_storeu_si256((__m256i *)(pg + l), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(si + l), vinv)));
 #endif
-    for (; l < pl; l++) pg[l] = bf16_rne(si[l] * inv);
+    for (; l < pl; l++) st(pg, l, si[l] * inv, KV_BF16);
     for (l = pl; l < P32; l++) pg[l] = 0;
 }
 
@@ -1020,10 +1014,8 @@ static inline __attribute__((always_inline)) void extend_tile_task(
             for (int64_t j = 0; j < D / 2; j++) kt[j * L32 + l] = kw[j];
             for (int64_t d = 0; d < D; d++) vr[2 * d] = vw[d];
         } else { /* fp8: every value is a bf16 one */
-            for (int64_t j = 0; j < D / 2; j++)
-                kt[j * L32 + l] = (uint32_t)bf16_rne(ld(pool_k, at + 2 * j, SKV)) |
-                                  (uint32_t)bf16_rne(ld(pool_k, at + 2 * j + 1, SKV)) << 16;
-            for (int64_t d = 0; d < D; d++) vr[2 * d] = bf16_rne(ld(pool_v, at + d, SKV));
+            for (int64_t d = 0; d < D; d++) st(kt, 2 * (d / 2 * L32 + l) + d % 2, ld(pool_k, at + d, SKV), KV_BF16);
+            for (int64_t d = 0; d < D; d++) st(vr, 2 * d, ld(pool_v, at + d, SKV), KV_BF16);
         }
     }
     tiles_begin();
