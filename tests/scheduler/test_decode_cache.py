@@ -166,3 +166,63 @@ def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, dtype:
     assert len(cache.shared) == 0
     step([2, 1, 3])      # rejoining followers share it again, from a new entry
     assert len(cache.shared) == 1 and cache.plen_at[cache.row_of[seqs[2].row]] == 80
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_row_that_decoded_alone_moves_onto_the_prefix_others_then_share(model_dir: str, dtype: str) -> None:
+    """A burst's first request decodes alone before the others of its prompt join; once they create the
+    shared entry, its row reads the prefix from it too, its own positions moved to the row's front."""
+    runner = ModelRunner(model_dir, device="cpu", dtype=dtype, max_total_tokens=4096, max_running_requests=16)
+    cache = runner.attn_backend.dense
+    cache.reset()
+    g = torch.Generator().manual_seed(3)
+    leader = Seq(runner, torch.randint(0, 4000, (100,), generator=g).tolist())
+    runner.forward(make_batch([leader], ForwardMode.EXTEND, [100]))
+    seqs, twins = [leader], []
+
+    def twin(s: Seq) -> None:
+        t = Seq(runner, s.ids)
+        runner.forward(make_batch([t], ForwardMode.EXTEND, [len(t.ids)]))
+        twins.append(t)
+
+    def step(active: list[int]) -> None:
+        dense = decode(runner, [seqs[i] for i in active], dense=True)
+        gathered = decode(runner, [twins[i] for i in active], dense=False)
+        if cache.shared.tiles:
+            assert float((dense - gathered).norm() / gathered.norm()) < 1e-2
+        else:
+            torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
+
+    twin(leader)
+    step([0])
+    step([0])
+    assert cache.plen_at[cache.row_of[leader.row]] == 0 and len(cache.shared) == 0
+    for k in (10, 25):
+        seqs.append(sharing(runner, leader, 80, torch.randint(0, 4000, (k,), generator=g).tolist()))
+        twin(seqs[-1])
+    step([0, 1, 2])
+    assert {cache.plen_at[cache.row_of[s.row]] for s in seqs} == {80} and len(cache.shared) == 1
+    assert cache.len_at[cache.row_of[leader.row]] == len(leader.ids) - 80
+    step([0, 1, 2])
+    step([1, 2])  # the leader leaves, the entry stays with the others
+    assert len(cache.shared) == 1
+    step([2])
+
+
+def test_growing_for_rows_sizes_positions_for_this_batch(model_dir: str) -> None:
+    """A long request that has left does not set the positions of the rows grown after it."""
+    runner = ModelRunner(model_dir, device="cpu", max_total_tokens=4096, max_running_requests=24)  # its own rows
+    cache = runner.attn_backend.dense
+    cache.reset()
+    g = torch.Generator().manual_seed(4)
+    long = Seq(runner, torch.randint(0, 4000, (300,), generator=g).tolist())
+    runner.forward(make_batch([long], ForwardMode.EXTEND, [300]))
+    decode(runner, [long], dense=True)
+    assert cache.v[0].shape[0] == 8 and cache.v[0].shape[2] == 512 + 16
+    short = [Seq(runner, torch.randint(0, 4000, (20,), generator=g).tolist()) for _ in range(9)]
+    runner.forward(make_batch(short, ForwardMode.EXTEND, [20] * 9))
+    twins = [Seq(runner, s.ids) for s in short]
+    runner.forward(make_batch(twins, ForwardMode.EXTEND, [20] * 9))
+    dense = decode(runner, short, dense=True)
+    torch.testing.assert_close(dense, decode(runner, twins, dense=False), atol=1e-5, rtol=1e-5)
+    assert cache.v[0].shape[0] == 16 and cache.v[0].shape[2] == 64 + 16

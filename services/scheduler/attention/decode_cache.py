@@ -23,7 +23,8 @@ grown for a burst are returned when the burst is over (memory.py).
 
 With `native` (the C decode kernel reads the rows), a request joining the batch whose first slots
 are another running request's (a prefix shared through the radix cache) gets that prefix from one
-shared copy (shared_prefix.py); its row holds only the positions after it, from index 0.
+shared copy (shared_prefix.py); its row holds only the positions after it, from index 0. A running
+request whose row holds its whole sequence moves onto a copy created for its prompt later (`_adopt`).
 """
 
 from __future__ import annotations
@@ -151,8 +152,12 @@ class DenseDecodeCache:
             return True
         pool = self.kv_pool
         heads, dim = pool.k_buffer[0].shape[1], pool.k_buffer[0].shape[2]
-        # Doubling when it fits the budget (few regrowths), else just what this batch needs.
-        doubling = (doubled(b_cap, batch_size, 8), doubled(l_cap, kv_len, 64))
+        # Doubling when it fits the budget (few regrowths), else just what this batch needs. Growing for
+        # rows sizes the positions for this batch, not for an earlier one: every K^T row is touched
+        # across its whole capacity when filled, so a capacity left by one long request (or a warm-up)
+        # costs page faults on each request that joins.
+        used_l = l_cap - 16 if kv_len > l_cap else 0
+        doubling = (doubled(b_cap, batch_size, 8), doubled(used_l, kv_len, 64))
         tight = (max(b_cap, rounded(batch_size, 8)), max(l_cap - 16, rounded(kv_len, 64)))  # l_cap has the +16
         for new_b, new_l in (doubling, tight):
             # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
@@ -163,6 +168,7 @@ class DenseDecodeCache:
         else:
             return False
         used = len(self.req_at)
+        written = max(self.len_at, default=0)  # positions any row holds
         # The C kernel reads no position past a row's length, so its buffers need no zeroing: growing
         # them then costs only the pages really written (zeroing 64 rows x 1,312 positions, 344 MB,
         # took 120 ms of one decode step). The torch path masks scores, and 0 x NaN would still be NaN.
@@ -171,9 +177,9 @@ class DenseDecodeCache:
         for layer in range(self.num_layers):
             k = new(new_b, heads, dim, new_l, dtype=pool.dtype, device=pool.device)
             v = new(new_b, heads, new_l, dim, dtype=pool.dtype, device=pool.device)
-            if self.k:
-                k[:used, :, :, :l_cap].copy_(self.k[layer][:used])
-                v[:used, :, :l_cap].copy_(self.v[layer][:used])
+            if self.k and written:
+                k[:used, :, :, :written].copy_(self.k[layer][:used, :, :, :written])
+                v[:used, :, :written].copy_(self.v[layer][:used, :, :written])
             grown_k.append(k)
             grown_v.append(v)
         self.k, self.v = grown_k, grown_v
@@ -229,14 +235,40 @@ class DenseDecodeCache:
         self.shared.acquire(e)
         return e, common
 
+    def _adopt(self, created: set[int]) -> None:
+        """Rows that hold their whole sequence and start with a prefix entry created this step read the
+        prefix from it too, their own positions moved to the front of the row. A burst's first request
+        on a prompt usually decodes alone before the others join; adopted, its row no longer sets the
+        positions of every row (a K^T row is touched across its whole capacity when filled)."""
+        shared = self.shared
+        if shared is None:
+            return
+        for e in created:
+            slots = shared.slots[e]
+            assert slots is not None
+            p = len(slots)
+            for row, idx in enumerate(self.req_at):
+                if idx < 0 or self.entry_at[row] >= 0 or self.len_at[row] < p:
+                    continue
+                if not torch.equal(self.req_to_token[idx, :p], slots):
+                    continue
+                n = self.len_at[row] - p  # positions after the prefix written so far
+                for k, v in zip(self.k, self.v):
+                    k[row, :, :, :n].copy_(k[row, :, :, p:p + n].clone())  # overlapping: through a copy
+                    v[row, :, :n].copy_(v[row, :, p:p + n].clone())
+                shared.acquire(e)
+                self.entry_at[row], self.plen_at[row], self.len_at[row] = e, p, n
+
     def prepare(self, req_pool_indices: list[int], seq_lens: list[int]) -> DecodeRows | None:
         """Make rows 0..B-1 hold exactly this decode batch; None when it would not fit the budget."""
         batch = set(req_pool_indices)
         for idx in [i for i in self.row_of if i not in batch]:
             self._remove(idx)
         seq_of = dict(zip(req_pool_indices, seq_lens))
+        live = self.shared.live() if self.shared is not None else set()
         joining = {idx: self._share(idx, n - 1, req_pool_indices, seq_of)
                    for idx, n in seq_of.items() if idx not in self.row_of}
+        self._adopt({e for e, _ in joining.values() if e >= 0} - live)
         own_len = max(n - (joining[i][1] if i in joining else self.plen_at[self.row_of[i]]) for i, n in seq_of.items())
         needed = len(self.req_at) + max(0, len(joining) - len(self.holes))  # rows, holes included
         if not self._ensure(needed, own_len):
