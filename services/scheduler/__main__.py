@@ -8,15 +8,19 @@ from dataclasses import replace
 
 from ringserve.config import parse_config
 from ringserve.logs import setup_logging
-from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model
+from services.scheduler import omp_env
 from services.scheduler.config import SchedulerServerConfig
-from services.scheduler.memory import MemoryBudgetError, configure_malloc
-from services.scheduler.models import check_architectures
-from services.scheduler.server import SchedulerServer
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(SchedulerServerConfig, argv, description="ringserve scheduler: batching, KV cache, forward loop")
+    omp_env.apply(cfg.decode_threads, cfg.num_threads)
+    # These load torch, and libgomp with it, which reads the OpenMP settings once: after `apply`.
+    from ringserve.model_source import architectures, exit_on_model_error, require_files, resolve_model
+    from services.scheduler.memory import MemoryBudgetError, configure_malloc
+    from services.scheduler.models import check_architectures
+    from services.scheduler.server import SchedulerServer
+
     with exit_on_model_error():  # a model that cannot be served: one line, before anything starts
         path = require_files(resolve_model(cfg.model, prepare=True), cfg.model, "config.json", "tokenizer.json")
         check_architectures(architectures(path), cfg.model)

@@ -1,4 +1,5 @@
-"""The scheduler's OpenMP wait reaches libgomp: set before torch is imported (services/scheduler/omp_env.py)."""
+"""The scheduler's OpenMP wait (services/scheduler/omp_env.py): where it applies, and that it can reach
+libgomp (set before anything loads torch)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,38 @@ import pytest
 
 from services.scheduler import omp_env
 
-PROBE = ("import os, sys; import services.scheduler; loaded = 'torch' in sys.modules; "
-         "import services.scheduler.server; print(loaded, os.environ.get('GOMP_SPINCOUNT'))")
+CPUS = len(os.sched_getaffinity(0))
 
 
-def probe(**env: str) -> list[str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    return subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, check=True, capture_output=True,
-                          text=True).stdout.split()
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    return monkeypatch
 
 
-def test_the_scheduler_package_sets_it_before_torch_is_imported() -> None:
-    assert probe() == ["False", omp_env.SPIN_COUNT]
+@pytest.mark.parametrize(("decode_threads", "num_threads", "spins"), [
+    (None, None, True),          # decode and prefill on every thread torch uses
+    (2, 2, True),
+    (CPUS, None, True),
+    (1, 2, False),               # decode on fewer: a worker spinning after prefill would hold a core
+    (1, None, CPUS == 1),
+])
+def test_long_spin_only_where_decode_uses_every_thread(env: pytest.MonkeyPatch, decode_threads: int | None,
+                                                      num_threads: int | None, spins: bool) -> None:
+    omp_env.apply(decode_threads, num_threads)
+    assert os.environ.get("GOMP_SPINCOUNT") == (omp_env.SPIN_COUNT if spins else None)
 
 
 @pytest.mark.parametrize(("var", "value", "spin"), [("GOMP_SPINCOUNT", "1000", "1000"),
-                                                    ("OMP_WAIT_POLICY", "PASSIVE", "None")])
-def test_a_setting_the_user_made_is_kept(var: str, value: str, spin: str) -> None:
-    assert probe(**{var: value}) == ["False", spin]
+                                                    ("OMP_WAIT_POLICY", "PASSIVE", None)])
+def test_a_setting_the_user_made_is_kept(env: pytest.MonkeyPatch, var: str, value: str, spin: str | None) -> None:
+    env.setenv(var, value)
+    omp_env.apply(None, None)
+    assert os.environ.get("GOMP_SPINCOUNT") == spin
+
+
+def test_the_entry_point_loads_no_torch_before_it_applies_them() -> None:
+    probe = "import sys; import services.scheduler.__main__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["False"]
