@@ -116,6 +116,25 @@ def sharing(runner: ModelRunner, leader: Seq, n: int, own: list[int]) -> Seq:
     return s
 
 
+def twin_of(runner: ModelRunner, s: Seq) -> Seq:
+    """The same sequence on its own slots: the reference read through the gather path."""
+    t = Seq(runner, s.ids)
+    runner.forward(make_batch([t], ForwardMode.EXTEND, [len(t.ids)]))
+    return t
+
+
+def check_step(runner: ModelRunner, seqs: list[Seq], twins: list[Seq], active: list[int]) -> None:
+    """One decode step of `active` on the dense rows against their twins on the gather path: the same
+    logits, within bf16 rounding where prefixes go on AMX tiles (test_cpu_kernels.py bounds the kernel)."""
+    dense = decode(runner, [seqs[i] for i in active], dense=True)
+    gathered = decode(runner, [twins[i] for i in active], dense=False)
+    shared = runner.attn_backend.dense.shared
+    if shared is not None and shared.tiles:
+        assert float((dense - gathered).norm() / gathered.norm()) < 1e-2  # a misread prefix: ~1
+    else:
+        torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "float32"), ("float32", "bfloat16"),
                                                   ("float32", "fp8_e4m3"), ("float32", "fp8_e5m2"),
                                                   ("bfloat16", "bfloat16"), ("bfloat16", "fp8_e4m3")])
@@ -135,19 +154,10 @@ def test_rows_sharing_a_prompt_prefix_read_one_copy_of_it(model_dir: str, dtype:
     runner.forward(make_batch([leader, loner], ForwardMode.EXTEND, [100, 90]))
     seqs = [leader, loner] + [sharing(runner, leader, 80, torch.randint(0, 4000, (k,), generator=g).tolist())
                               for k in (10, 25)]
-    twins = []  # the same sequences on their own slots, through the gather path
-    for s in seqs:
-        t = Seq(runner, s.ids)
-        runner.forward(make_batch([t], ForwardMode.EXTEND, [len(t.ids)]))
-        twins.append(t)
+    twins = [twin_of(runner, s) for s in seqs]
 
     def step(active: list[int]) -> None:
-        dense = decode(runner, [seqs[i] for i in active], dense=True)
-        gathered = decode(runner, [twins[i] for i in active], dense=False)
-        if cache.shared.tiles:  # AMX: the prefix part in bf16 products (test_cpu_kernels.py bounds the kernel)
-            assert float((dense - gathered).norm() / gathered.norm()) < 1e-2  # a misread prefix: ~1
-        else:
-            torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
+        check_step(runner, seqs, twins, active)
 
     step([0, 1, 2, 3])
     assert cache.prefix_buffers(0)[0].dtype == prefix_dtype(runner.token_to_kv_pool.dtype)
@@ -178,35 +188,20 @@ def test_a_row_that_decoded_alone_moves_onto_the_prefix_others_then_share(model_
     g = torch.Generator().manual_seed(3)
     leader = Seq(runner, torch.randint(0, 4000, (100,), generator=g).tolist())
     runner.forward(make_batch([leader], ForwardMode.EXTEND, [100]))
-    seqs, twins = [leader], []
-
-    def twin(s: Seq) -> None:
-        t = Seq(runner, s.ids)
-        runner.forward(make_batch([t], ForwardMode.EXTEND, [len(t.ids)]))
-        twins.append(t)
-
-    def step(active: list[int]) -> None:
-        dense = decode(runner, [seqs[i] for i in active], dense=True)
-        gathered = decode(runner, [twins[i] for i in active], dense=False)
-        if cache.shared.tiles:
-            assert float((dense - gathered).norm() / gathered.norm()) < 1e-2
-        else:
-            torch.testing.assert_close(dense, gathered, atol=1e-5, rtol=1e-5)
-
-    twin(leader)
-    step([0])
-    step([0])
+    seqs, twins = [leader], [twin_of(runner, leader)]
+    check_step(runner, seqs, twins, [0])
+    check_step(runner, seqs, twins, [0])
     assert cache.plen_at[cache.row_of[leader.row]] == 0 and len(cache.shared) == 0
     for k in (10, 25):
         seqs.append(sharing(runner, leader, 80, torch.randint(0, 4000, (k,), generator=g).tolist()))
-        twin(seqs[-1])
-    step([0, 1, 2])
+        twins.append(twin_of(runner, seqs[-1]))
+    check_step(runner, seqs, twins, [0, 1, 2])
     assert {cache.plen_at[cache.row_of[s.row]] for s in seqs} == {80} and len(cache.shared) == 1
     assert cache.len_at[cache.row_of[leader.row]] == len(leader.ids) - 80
-    step([0, 1, 2])
-    step([1, 2])  # the leader leaves, the entry stays with the others
+    check_step(runner, seqs, twins, [0, 1, 2])
+    check_step(runner, seqs, twins, [1, 2])  # the leader leaves, the entry stays with the others
     assert len(cache.shared) == 1
-    step([2])
+    check_step(runner, seqs, twins, [2])
 
 
 def test_growing_for_rows_sizes_positions_for_this_batch(model_dir: str) -> None:
