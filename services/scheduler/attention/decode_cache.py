@@ -210,30 +210,31 @@ class DenseDecodeCache:
                 self.k[layer][row, :, :, :end - start].copy_(kb.index_select(0, slots).permute(1, 2, 0))
                 self.v[layer][row, :, :end - start].copy_(vb.index_select(0, slots).transpose(0, 1))
 
-    def _share(self, idx: int, written: int, batch: list[int], seq_of: dict[int, int]) -> tuple[int, int]:
-        """(entry, prefix length) for a request joining the batch with `written` positions in the pool;
-        (-1, 0) when it shares no prefix of MIN_SHARED+ tokens with a request of this batch."""
+    def _share(self, idx: int, written: int, batch: list[int], seq_of: dict[int, int]) -> tuple[int, int, bool]:
+        """(entry, prefix length, whether this call created the entry) for a request joining the batch with
+        `written` positions in the pool; (-1, 0, False) when it shares no prefix of MIN_SHARED+ tokens with a
+        request of this batch."""
         if self.shared is None or written < MIN_SHARED:
-            return -1, 0
+            return -1, 0, False
         mine = self.req_to_token[idx, :written]
         e = self.shared.find(mine)
         if e is not None:
             self.shared.acquire(e)
-            return e, len(self.shared.slots[e])  # type: ignore[arg-type]
+            return e, len(self.shared.slots[e]), False  # type: ignore[arg-type]
         # A common prefix with another request of the batch (its first slot first: usually none).
         others = torch.tensor([i for i in batch if i != idx], dtype=torch.int64)
         if others.numel() == 0:
-            return -1, 0
+            return -1, 0, False
         others = others[self.req_to_token[others, 0] == mine[0]]
         if others.numel() == 0:
-            return -1, 0
+            return -1, 0, False
         same = (self.req_to_token[others, :written] == mine).to(torch.int32).cumprod(1).sum(1)
         written_by = torch.tensor([seq_of[int(i)] - 1 for i in others], dtype=torch.int64)
         common = int(torch.minimum(same, written_by).max())
         if common < MIN_SHARED or (e := self.shared.create(mine[:common])) is None:
-            return -1, 0
+            return -1, 0, False
         self.shared.acquire(e)
-        return e, common
+        return e, common, True
 
     def _adopt(self, created: set[int]) -> None:
         """Rows that hold their whole sequence and start with a prefix entry created this step read the
@@ -265,10 +266,9 @@ class DenseDecodeCache:
         for idx in [i for i in self.row_of if i not in batch]:
             self._remove(idx)
         seq_of = dict(zip(req_pool_indices, seq_lens))
-        live = self.shared.live() if self.shared is not None else set()
         joining = {idx: self._share(idx, n - 1, req_pool_indices, seq_of)
                    for idx, n in seq_of.items() if idx not in self.row_of}
-        self._adopt({e for e, _ in joining.values() if e >= 0} - live)
+        self._adopt({e for e, _, created in joining.values() if created})
         own_len = max(n - (joining[i][1] if i in joining else self.plen_at[self.row_of[i]]) for i, n in seq_of.items())
         needed = len(self.req_at) + max(0, len(joining) - len(self.holes))  # rows, holes included
         if not self._ensure(needed, own_len):
@@ -279,7 +279,7 @@ class DenseDecodeCache:
         for idx, seq_len in zip(req_pool_indices, seq_lens):
             row = self.row_of.get(idx)
             if row is None:
-                entry, plen = joining[idx]
+                entry, plen, _ = joining[idx]
                 if self.holes:  # the lowest, so that holes at the end can be dropped
                     row = min(self.holes)
                     self.holes.remove(row)

@@ -54,10 +54,6 @@ class SharedPrefixes:
     def __len__(self) -> int:
         return sum(s is not None for s in self.slots)
 
-    def live(self) -> set[int]:
-        """The entries in use."""
-        return {e for e, s in enumerate(self.slots) if s is not None}
-
     def find(self, row_slots: torch.Tensor) -> int | None:
         """The longest live entry whose slots start `row_slots` ([n] int64, the request's written ones)."""
         best, best_len = None, 0
