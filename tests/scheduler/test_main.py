@@ -1,5 +1,5 @@
-"""The scheduler's OpenMP wait (services/scheduler/omp_env.py): where it applies, and that it can reach
-libgomp (set before anything loads torch)."""
+"""The scheduler's entry point sets the OpenMP wait (services/scheduler/__main__.py): where it applies, and
+that it can reach libgomp (set before anything loads torch)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from services.scheduler import omp_env
+from services.scheduler import __main__ as entry
 
 CPUS = len(os.sched_getaffinity(0))
 
@@ -30,15 +30,15 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 ])
 def test_long_spin_only_where_decode_uses_every_thread(env: pytest.MonkeyPatch, decode_threads: int | None,
                                                       num_threads: int | None, spins: bool) -> None:
-    omp_env.apply(decode_threads, num_threads)
-    assert os.environ.get("GOMP_SPINCOUNT") == (omp_env.SPIN_COUNT if spins else None)
+    entry.set_openmp_wait(decode_threads, num_threads)
+    assert os.environ.get("GOMP_SPINCOUNT") == (entry.SPIN_COUNT if spins else None)
 
 
 @pytest.mark.parametrize(("var", "value", "spin"), [("GOMP_SPINCOUNT", "1000", "1000"),
                                                     ("OMP_WAIT_POLICY", "PASSIVE", None)])
 def test_a_setting_the_user_made_is_kept(env: pytest.MonkeyPatch, var: str, value: str, spin: str | None) -> None:
     env.setenv(var, value)
-    omp_env.apply(None, None)
+    entry.set_openmp_wait(None, None)
     assert os.environ.get("GOMP_SPINCOUNT") == spin
 
 
