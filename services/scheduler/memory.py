@@ -5,7 +5,7 @@ the bounds is the most the scheduler can hold besides its runtime (interpreter, 
 
 | component        | holds                                          | bound set by                           |
 |------------------|------------------------------------------------|----------------------------------------|
-| weights          | parameters and their oneDNN-packed copies       | --model, --dtype                       |
+| weights          | parameters and their packed copies (oneDNN, AMX tiles) | --model, --dtype               |
 | kv_pool          | per-layer K/V of every pool slot               | --max-total-tokens (else from memory)  |
 | req_to_token     | slot table, one row per running request        | --max-running-requests x context       |
 | radix_cache      | the cached prefixes' slot ids (int64 each)     | the KV pool's size                     |

@@ -635,6 +635,37 @@ def test_linear_over_bf16_weights_is_the_product_of_the_rounded_operands(kernel,
         kernel.linear_bf16w(x, w.float())
 
 
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("n,k", [(96, 64), (32, 1536)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tile_gemm_is_the_rounded_product_of_the_rounded_operands(kernel, threads: int, rows: int, n: int, k: int,
+                                                                  x_dtype: torch.dtype) -> None:
+    """Rows in tiles of 16 (a last one part padding, a lone second one), x float32 or bf16 at a stride: the
+    float32 sums of the bf16-rounded x and W, rounded to bf16 in either output dtype (the same values)."""
+    if not kernel.tiles:
+        pytest.skip("no AMX tiles on this CPU")
+    torch.manual_seed(rows * n + k)
+    w = (torch.randn(n, k) * 0.1).bfloat16()
+    x = torch.randn(rows, k + 32)[:, :k].to(x_dtype)  # rows at a stride, as a slice of a wider activation
+    wp = kernel.pack_tiles(w)
+    assert wp is not None and wp.numel() == n * k
+    want = x.bfloat16().double() @ w.double().T
+    got = kernel.linear_tiles(x, wp)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert torch.equal(got, got.bfloat16().float())  # bf16 values, as the packed bf16 GEMM gives
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5)  # half a bf16 step
+    assert torch.equal(kernel.linear_tiles(x, wp, torch.bfloat16).float(), got)
+    if x_dtype == torch.float32:  # the input is rounded: the float32 x gives another product
+        assert (got.double() - x.double() @ w.double().T).abs().max() > 1e-3
+
+
+def test_tile_gemm_takes_only_multiples_of_32(kernel) -> None:
+    if not kernel.tiles:
+        pytest.skip("no AMX tiles on this CPU")
+    for n, k in ((48, 64), (64, 48), (16, 32)):
+        assert kernel.pack_tiles(torch.zeros(n, k, dtype=torch.bfloat16)) is None
+
+
 def test_linear_over_bf16_weights_without_avx512_bf16_computes_the_same(tmp_path: Path, monkeypatch) -> None:
     """The portable path (widened weights, float32 FMAs), built here with AVX512-BF16 off, against the
     same reference: CPUs without it run this one."""

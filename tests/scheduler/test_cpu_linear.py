@@ -79,6 +79,37 @@ def test_bf16_small_batches_go_to_the_native_kernel_and_agree_with_onednn() -> N
 
 
 @bf16
+def test_bf16_mid_batches_go_to_the_tile_gemm_and_agree_with_onednn() -> None:
+    native = cpu_kernels.load()
+    if native is None or not native.tiles:
+        pytest.skip("no AMX tiles on this machine")
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64) * 0.1, torch.randn(96)
+    layer = cpu_linear.PackedLinear(w, b, torch.bfloat16, native=native)
+    onednn = cpu_linear.PackedLinear(w, b, torch.bfloat16)
+    assert layer.tiled is not None and onednn.tiled is None
+    for rows in (cpu_linear.BF16_SMALL_T, 33, cpu_linear.TILES_MAX_T, cpu_linear.TILES_MAX_T + 1):
+        x = torch.randn(rows, 64)
+        got = layer(x)
+        if rows <= cpu_linear.TILES_MAX_T:
+            assert layer.tiled is not None
+            assert torch.equal(got, native.linear_tiles(x, layer.tiled) + b)
+        else:
+            assert torch.equal(got, onednn(x))
+        # Both round their output to bf16 (sums in another order): they agree to that rounding.
+        torch.testing.assert_close(got, onednn(x), rtol=1e-2, atol=1e-2)
+    plain = cpu_linear.PackedLinear(w, None, torch.bfloat16, native=native)
+    plain.out_bf16 = True  # a consumer that reads bf16 gets the same values
+    x = torch.randn(40, 64)
+    got = plain(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), native.linear_tiles(x, layer.tiled))
+    # A weight update (repack) reaches the tile copy too.
+    plain.weight.data.mul_(-1)
+    cpu_linear.repack_linears(nn.Sequential(plain))
+    assert torch.equal(plain(x).float(), -got.float())
+
+
+@bf16
 def test_bf16_tied_copy_follows_its_source_on_repack() -> None:
     embed = nn.Parameter(torch.randn(32, 16), requires_grad=False)
     head = cpu_linear.PackedLinear(embed, None, torch.bfloat16, tied=True)

@@ -187,6 +187,9 @@ class NativeKernels:
         self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
         self._moe_gemm = self._fn(lib.moe_gemm_f32, None, [_P, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int])
         self._linear_bf16 = self._fn(lib.linear_bf16w_f32, ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int])
+        self._tiles_pack = self._fn(lib.linear_tiles_pack, ctypes.c_int, [_P, _P, _I, _I, ctypes.c_int])
+        self._linear_tiles = self._fn(lib.linear_tiles, ctypes.c_int, [_P, _I, ctypes.c_int, _I, _P, _I, _I, _P,
+                                                                      ctypes.c_int, ctypes.c_int])
         self._stack = self._fn(lib.decode_stack_f32, ctypes.c_int,
                                [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
                                 _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P])
@@ -357,6 +360,34 @@ class NativeKernels:
         if self._linear_bf16(x.data_ptr(), x.stride(0), t, w.data_ptr(), n, k, out.data_ptr(),
                              torch.get_num_threads()) != 0:
             raise MemoryError(f"linear_bf16w: {t} x {k} floats for the rounded input")
+        return out
+
+    def pack_tiles(self, w: torch.Tensor) -> torch.Tensor | None:
+        """w [N, K] bfloat16 contiguous -> its copy in linear_tiles' layout ([N / 16, K / 32, 16, 32] bfloat16:
+        linear.c), or None where the tiles cannot take it (no AMX here, N or K not a multiple of 32)."""
+        n, k = w.shape
+        assert w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu"
+        if not self.tiles or n % 32 or k % 32:
+            return None
+        wp = torch.empty(n // 16, k // 32, 16, 32, dtype=torch.bfloat16)
+        if self._tiles_pack(w.data_ptr(), wp.data_ptr(), n, k, torch.get_num_threads()) != 0:
+            return None
+        return wp
+
+    def linear_tiles(self, x: torch.Tensor, wp: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x @ w.T on AMX tiles, w as pack_tiles left it: x [T, K] float32 or bfloat16 (rows at any stride,
+        rounded to bf16 as the bf16 GEMM rounds them) -> [T, N] in out_dtype, float32 or bfloat16: the
+        float32 sums rounded to bf16 (nearest even) either way, as oneDNN's bf16 GEMM gives them."""
+        t, k = x.shape
+        n = wp.shape[0] * 16
+        assert x.dtype in ELEMENTWISE_DTYPES and out_dtype in ELEMENTWISE_DTYPES and x.device.type == "cpu"
+        assert x.stride(1) == 1 and t >= 1 and wp.shape[1] * 32 == k and wp.dtype == torch.bfloat16
+        out = torch.empty(t, n, dtype=out_dtype)
+        rc = self._linear_tiles(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), t, wp.data_ptr(), n, k,
+                                out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"linear_tiles: {t} x {k} bf16 for the rounded input") if rc == -2 else \
+                ValueError(f"linear_tiles: shape {t} x {k} x {n} or the tile state refused")
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -20,6 +20,11 @@ with AMX, SmolLM2-135M's linears at batch 1: 32.6 ms a step against 17.6 for the
 csrc/linear.c, which reads the plain bf16 weight once and dots it with every row; per shape 1.1-3.2x
 at 1-2 rows, 0.8-1.6x at 4, 0.6-1.5x at 8, behind from 16). So with the native kernels, fewer than
 BF16_SMALL_T rows go there. Its output is the float32 sum, where oneDNN's is rounded to bf16.
+Where the CPU has AMX, from there up to TILES_MAX_T rows (a decode batch, a short prefill) the weights
+also have a copy in the tile layout of csrc/linear.c's `linear_tiles`, which streams each weight once
+through the tile unit at about the memory's rate: SmolLM2-135M's four projections of a layer at 64 rows,
+weights cold as in a step, 0.50 against oneDNN's 0.99 ms (at 512 rows 2.5 against 4.5; at 2048 the two
+are even, and oneDNN keeps the larger batches). Its output is rounded to bf16 as oneDNN's is.
 
 The packed op is the one torch's inductor uses for frozen CPU linears
 (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise); when it is missing or misbehaves,
@@ -39,6 +44,7 @@ from services.scheduler.kernels.cpu_kernels import NativeKernels
 log = logging.getLogger(__name__)
 SMALL_T = 4        # fewer rows than this: F.linear in float32 (oneDNN's call overhead dominates)
 BF16_SMALL_T = 8   # fewer rows than this, with bf16 weights: the native kernel (csrc/linear.c)
+TILES_MAX_T = 512  # from BF16_SMALL_T to this many rows, where the CPU has AMX: linear.c's tile GEMM
 PACK_BATCH_HINT = 64
 
 
@@ -91,6 +97,8 @@ class PackedLinear(nn.Module):
         self._bf16_from: int | None = (None if self.weight.dtype != torch.bfloat16 else
                                        BF16_SMALL_T if self.native is not None else 0)
         self.packed = _pack(self.weight)
+        # The weight in the tile GEMM's layout (None: no AMX, a shape it does not take, or float32).
+        self.tiled = self.native.pack_tiles(self.weight) if self.native is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -101,8 +109,12 @@ class PackedLinear(nn.Module):
         # bf16 weights under float32 activations: a bf16 GEMM (float32 accumulation) on the rounded
         # input (x float32, or already bf16 from a kernel that rounded it: input_dtype), widened back
         # unless `out_bf16`; the bias stays float32, added after.
-        if self.native is not None and x.shape[0] < BF16_SMALL_T and x.stride(-1) == 1:
+        rows = x.shape[0]
+        if self.native is not None and rows < BF16_SMALL_T and x.stride(-1) == 1:
             y = self.native.linear_bf16w(x.float(), w)  # the float32 sum
+        elif self.tiled is not None and rows <= TILES_MAX_T and x.stride(-1) == 1:
+            assert self.native is not None  # tiled only with the native kernels
+            y = self.native.linear_tiles(x, self.tiled, torch.bfloat16 if self.out_bf16 else torch.float32)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), self.packed, None, "none", [], "")
             if not self.out_bf16:
@@ -119,6 +131,8 @@ class PackedLinear(nn.Module):
         if self.tied_to is not None:
             self.weight.copy_(self.tied_to)
         self.packed = _pack(self.weight)
+        if self.tiled is not None:
+            self.tiled = self.native.pack_tiles(self.weight) if self.native is not None else None
 
 
 def supported(dtype: torch.dtype = torch.float32) -> bool:

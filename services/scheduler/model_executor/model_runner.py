@@ -412,11 +412,13 @@ def _logit_index(extend_lens: list[int], logit_rows: list[int] | None, device: t
 
 
 def _weights_bytes(model: torch.nn.Module) -> int:
-    """Parameters and buffers (rotary tables), plus the oneDNN-packed copies of the linear weights."""
+    """Parameters and buffers (rotary tables), plus the oneDNN-packed and tile-layout copies of the linear
+    weights."""
     seen: set[int] = set()
     total = 0
-    for t in (*model.parameters(), *model.buffers(),
-              *(m.packed for m in model.modules() if isinstance(m, cpu_linear.PackedLinear))):
+    linears = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    for t in (*model.parameters(), *model.buffers(), *(m.packed for m in linears),
+              *(m.tiled for m in linears if m.tiled is not None)):
         if id(t) not in seen:  # tied weights count once
             seen.add(id(t))
             total += t.nbytes

@@ -142,3 +142,140 @@ int linear_bf16w_f32(const float *x, int64_t ldx, int64_t T, const uint16_t *w, 
     free(xr);
     return 0;
 }
+
+/* Mid-size batches on AMX tiles (a decode batch of a few dozen rows up to a short prefill): oneDNN's packed
+ * bf16 GEMM there costs about twice what streaming the weights does (SmolLM2-135M's four projections of a
+ * layer at 64 rows, each layer's weights cold as in a step: 0.99 against 0.50 ms), so from BF16_SMALL_T rows to
+ * TILES_MAX_T (cpu_linear.py) the weights are read once, in the tile layout below, each 16 x 32 block of them
+ * feeding every row of x before the next is read.
+ *   wp: w [N, K] bf16 repacked by linear_tiles_pack: per 16 outputs (N / 16 blocks) per 32 of K (K / 32), the
+ *       1 KiB tile [16 pairs of k][16 outputs][2] (TDPBF16PS's B operand), the K tiles of a block in order,
+ *       so a thread's share of the weights is one contiguous stream
+ *   x:  [T, K] float32 or (x_bf16) bf16 rows ldx elements apart, rounded to bf16 (nearest even) as the packed
+ *       GEMM rounds its input
+ *   out: [T, N] bf16 (out_bf16) or float32, either way the float32 sums rounded to bf16 (nearest even), as the
+ *        packed GEMM's bf16 output is: the two dtypes hold the same values (cpu_linear.py's `out_bf16`)
+ * N and K multiples of 32. Per pair of output blocks (32 columns), 32 rows of x at a time: four accumulator
+ * tiles, two of x, two of weights; the pair's next weights are fetched into L1 during its first rows. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+int prefix_tiles_ready(void); /* attention.c: the kernel has granted this process the tile state */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} gemm_tile_config;
+
+int linear_tiles_pack(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K, int threads) {
+    if (N % 32 || K % 32 || N < 32 || K < 32) return -1;
+    const int64_t KB = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            uint16_t *t = wp + (nb * KB + kb) * 512;
+            for (int64_t kp = 0; kp < 16; kp++)
+                for (int64_t n = 0; n < 16; n++) {
+                    t[(kp * 16 + n) * 2] = w[(nb * 16 + n) * K + kb * 32 + 2 * kp];
+                    t[(kp * 16 + n) * 2 + 1] = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + 1];
+                }
+        }
+    return 0;
+}
+
+/* Returns 0; -1 for shapes it does not take or without the tile state, -2 when the copy of x could not be
+ * allocated (nothing written either way). */
+int linear_tiles(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16_t *wp, int64_t N, int64_t K,
+                 void *out, int out_bf16, int threads) {
+    if (N % 32 || K % 32 || N < 32 || K < 32 || T < 1 || !prefix_tiles_ready()) return -1;
+    const int64_t KB = K / 32, NP = N / 32, T16 = (T + 15) / 16 * 16;
+    uint16_t *xb = aligned_alloc(64, (size_t)(T16 * K) * 2);
+    if (!xb) return -2;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T16; t++) {
+            uint16_t *xr = xb + t * K;
+            if (t >= T) {
+                memset(xr, 0, (size_t)K * 2);
+            } else if (x_bf16) {
+                memcpy(xr, (const uint16_t *)x + t * ldx, (size_t)K * 2);
+            } else {
+                const float *xf = (const float *)x + t * ldx;
+                for (int64_t k = 0; k < K; k += 16)
+                    _mm256_storeu_si256((__m256i *)(xr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + k)));
+            }
+        }
+        gemm_tile_config cfg = {0};
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) {
+            cfg.rows[i] = 16;
+            cfg.colsb[i] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float c[32 * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t np = 0; np < NP; np++) {
+            const uint16_t *b0 = wp + 2 * np * KB * 512, *b1 = b0 + KB * 512;
+            for (int64_t m0 = 0; m0 < T; m0 += 32) {
+                const int two = m0 + 16 < T; /* a second tile of rows */
+                const uint16_t *a = xb + m0 * K;
+                _tile_zero(0);
+                _tile_zero(1);
+                if (two) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    if (m0 == 0 && np + 1 < NP) { /* the next pair's tiles of this kb, 2 x 1 KiB */
+                        const char *p0 = (const char *)(b1 + KB * 512 + kb * 512), *p1 = p0 + KB * 1024;
+                        for (int l = 0; l < 1024; l += 64) {
+                            _mm_prefetch(p0 + l, _MM_HINT_T0);
+                            _mm_prefetch(p1 + l, _MM_HINT_T0);
+                        }
+                    }
+                    _tile_loadd(4, a + kb * 32, K * 2);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, a + 16 * K + kb * 32, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c, 128);
+                _tile_stored(1, c + 16, 128);
+                if (two) {
+                    _tile_stored(2, c + 16 * 32, 128);
+                    _tile_stored(3, c + 16 * 32 + 16, 128);
+                }
+                const int64_t mr = T - m0 < 32 ? T - m0 : 32;
+                for (int64_t r = 0; r < mr; r++)
+                    for (int64_t h = 0; h < 32; h += 16) {
+                        const __m256i bf = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 32 + h));
+                        if (out_bf16)
+                            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + r) * N + np * 32 + h), bf);
+                        else /* the rounded value widened back: a bf16 number, as oneDNN's bf16 GEMM gives */
+                            _mm512_storeu_si512((float *)out + (m0 + r) * N + np * 32 + h,
+                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16));
+                    }
+            }
+        }
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+#else
+int linear_tiles_pack(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K, int threads) {
+    (void)w, (void)wp, (void)N, (void)K, (void)threads;
+    return -1;
+}
+int linear_tiles(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16_t *wp, int64_t N, int64_t K,
+                 void *out, int out_bf16, int threads) {
+    (void)x, (void)ldx, (void)x_bf16, (void)T, (void)wp, (void)N, (void)K, (void)out, (void)out_bf16, (void)threads;
+    return -1;
+}
+#endif
