@@ -46,10 +46,22 @@ def counted(runner: ModelRunner) -> list[tuple[int, bool]]:
 
 def test_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None:
     """Prefill, then decode at 7, 3, 1 and 5 rows (the native linear kernel inside the stack) and at 9, 12
-    and 8 (the packed GEMMs, called back in Python)."""
+    and 8: the tile GEMM called by the stack itself where the CPU has AMX (the tiny model's shapes are
+    multiples of 32), else the packed GEMMs called back in Python (test_a_failing_linear_in_a_larger_step
+    takes that path here)."""
     assert cpu_linear.BF16_SMALL_T == 8  # the row counts below straddle it
     runners = bf16_runners(model_dir)
     ran = counted(runners[0])
+    native = runners[0].native
+    assert native is not None
+    modes: list[bool] = []
+    stack_call = native.decode_stack
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        modes.append(bool(kwargs.get("tiled")))
+        return stack_call(*args, **kwargs)
+
+    native.decode_stack = spy  # type: ignore[method-assign]
     got: list[list[torch.Tensor]] = [[], []]
     steps = (7, 3, 1, 9, 12, 5, 8)
     for out, r in zip(got, runners):
@@ -60,13 +72,18 @@ def test_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None
                 s.ids.append(11 + step)
             out.append(r.forward(make_batch(seqs[:rows], ForwardMode.DECODE, [1] * rows)))
     assert ran == [(rows, False) for rows in steps]
+    assert modes == [native.tiles and rows >= cpu_linear.BF16_SMALL_T for rows in steps]
     for a, b in zip(*got):
         assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
 def test_a_failing_linear_in_a_larger_step_raises_its_error(model_dir: str) -> None:
-    """The callback cannot raise through the C frames: the step raises the linear's own exception."""
+    """The callback cannot raise through the C frames: the step raises the linear's own exception (the
+    callback's path: without the tile copies, as on a CPU without AMX)."""
     on, _ = bf16_runners(model_dir)
+    for m in on.model.modules():
+        if isinstance(m, cpu_linear.PackedLinear):
+            m.tiled = None
     seqs = [Seq(on, [i + 1, i + 2, i + 3]) for i in range(8)]
     on.forward(make_batch(seqs, ForwardMode.EXTEND, [3] * 8))
     for s in seqs:

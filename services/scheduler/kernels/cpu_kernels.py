@@ -192,7 +192,7 @@ class NativeKernels:
                                                                       ctypes.c_int, ctypes.c_int])
         self._stack = self._fn(lib.decode_stack_f32, ctypes.c_int,
                                [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
-                                _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P])
+                                _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P, ctypes.c_int])
         self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int,
                                                                    ctypes.c_int])
         self._decode_scratch = self._fn(lib.decode_scratch, _I, [_I, _I, _I, _I, ctypes.c_int])
@@ -431,7 +431,7 @@ class NativeKernels:
     def decode_stack(self, x: torch.Tensor, layers: torch.Tensor, heads: tuple[int, int, int], inter: int,
                      eps: float, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: DecodeLayout,
                      scale: float, kv_dtype: torch.dtype, gemm: object | None = None,
-                     io: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                     io: tuple[torch.Tensor, ...] | None = None, tiled: bool = False) -> torch.Tensor | None:
         """A whole Llama stack's decode step (csrc/decode_stack.c): every layer's norm, qkv,
         rotary, attention with the K/V store, o_proj, norm, gate_up, SiLU gate and down, with the arguments
         these wrappers pass. x: [T, N] float32 contiguous, the residual stream (updated in place); layers:
@@ -444,7 +444,11 @@ class NativeKernels:
         gemm: a STACK_GEMM that runs the linears (larger steps, on torch's packed GEMM; it keeps each output
         alive until that linear's next call), io: their inputs the stack writes, [T, N] bf16 (the norms'),
         [T, Hq D] float32 (the attention's) and [T, I] bf16 (the gate's), contiguous. Returns None then: the
-        last layer's MLP output is the last down output the callback returned."""
+        last layer's MLP output is the last down output the callback returned.
+
+        tiled: the linears' weight columns hold their AMX tile copies (PackedLinear.tiled) and the stack runs
+        linear_tiles itself; io then continues with the outputs it writes, [T, Q] float32 (qkv), [T, N] bf16
+        (o_proj), [T, 2 I] bf16 (gate_up) and [T, N] bf16 (down), and the last of them is returned."""
         t, n = x.shape
         hkv, g, d = heads
         assert x.dtype == torch.float32 and x.is_contiguous() and kernel_supports(g, d)
@@ -456,27 +460,35 @@ class NativeKernels:
         threads = torch.get_num_threads()
         p_cap = layout.p_cap if layout.entry is not None else 0
         io_ptrs = None
-        if gemm is not None:
-            assert io is not None
-            h, att, act = io
-            assert h.dtype == act.dtype == torch.bfloat16 and att.dtype == torch.float32
-            assert h.shape == (t, n) and att.shape == (t, hkv * g * d) and act.shape == (t, inter)
-            assert h.is_contiguous() and att.is_contiguous() and act.is_contiguous()
-            io_ptrs = torch.tensor([h.data_ptr(), att.data_ptr(), act.data_ptr()], dtype=torch.int64)
-        # With the callback the workspace is the attention's scratch only (its size at no rows).
+        if gemm is not None or tiled:
+            assert io is not None and len(io) == (7 if tiled else 3)
+            q = hkv * g * d
+            shapes = [((t, n), torch.bfloat16), ((t, q), torch.float32), ((t, inter), torch.bfloat16)]
+            if tiled:
+                shapes += [((t, q + 2 * hkv * d), torch.float32), ((t, n), torch.bfloat16),
+                           ((t, 2 * inter), torch.bfloat16), ((t, n), torch.bfloat16)]
+            for buf, (shape, dtype) in zip(io, shapes):
+                assert buf.shape == shape and buf.dtype == dtype and buf.is_contiguous()
+            io_ptrs = torch.tensor([buf.data_ptr() for buf in io], dtype=torch.int64)
+        # With the callback or the tiles the workspace is the attention's scratch only (its size at no rows).
+        own = gemm is None and not tiled
         kind = _kv_kind(kv_dtype, layout)
-        ws = torch.empty(self._stack_ws(t if gemm is None else 0, n, hkv, g, d, inter, layout.l_cap, p_cap, threads,
-                                        kind), dtype=torch.float32)
-        delta = torch.empty_like(x) if gemm is None else x  # with the callback C writes no delta: any pointer
+        ws = torch.empty(self._stack_ws(t if own else 0, n, hkv, g, d, inter, layout.l_cap, p_cap, threads, kind),
+                         dtype=torch.float32)
+        delta = torch.empty_like(x) if own else x  # otherwise C writes no delta: any pointer
         rc = self._stack(x.data_ptr(), delta.data_ptr(), t, layers.data_ptr(), layers.shape[0], n, hkv, g, d, inter,
-                       eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1], layout.rows.data_ptr(),
-                       _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale, _ptr(layout.entry),
-                       _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(), layout.loc.data_ptr(), kind,
-                       ws.data_ptr(), threads, _NO_GEMM if gemm is None else gemm, _ptr(io_ptrs))
-        if rc == STACK_GEMM_FAILED:
+                         eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[1],
+                         layout.rows.data_ptr(), _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale,
+                         _ptr(layout.entry), _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(),
+                         layout.loc.data_ptr(), kind, ws.data_ptr(), threads,
+                         _NO_GEMM if gemm is None or tiled else gemm, _ptr(io_ptrs), int(tiled))
+        if rc == STACK_GEMM_FAILED and not tiled:
             raise RuntimeError("decode stack: a linear's callback failed")
         if rc != 0:
-            raise MemoryError(f"decode stack: a kernel could not allocate its rounded input at {t} rows")
+            raise MemoryError(f"decode stack: a kernel could not allocate its rounded input at {t} rows (code {rc})")
+        if tiled:
+            assert io is not None
+            return io[6]
         return delta if gemm is None else None
 
 

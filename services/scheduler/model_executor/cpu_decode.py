@@ -7,10 +7,12 @@ module calls, checks, views and allocations, a third of a batch-1 step of SmolLM
 kernels with the same arguments in the same order as the layers do through NativeKernels, and takes
 the final norm and the lm_head back in Python: the same logits, bit for bit.
 
-From BF16_SMALL_T rows on the linears are oneDNN's packed GEMMs, which only torch calls: the stack then
-calls back into Python for each of them (PackedLinear.forward on the input the stack wrote, as the layer
-would call it) and runs everything between them itself, four Python calls a layer instead of a dozen
-module calls and their checks, views and allocations.
+From BF16_SMALL_T rows on, where the CPU has AMX, the linears are csrc/linear.c's tile GEMM up to
+TILES_MAX_T rows, which the stack calls itself on the weights' tile copies (what PackedLinear.forward calls
+at those rows). Past that, or without AMX, they are oneDNN's packed GEMMs, which only torch calls: the
+stack then calls back into Python for each of them (PackedLinear.forward on the input the stack wrote, as
+the layer would call it) and runs everything between them itself, four Python calls a layer instead of a
+dozen module calls and their checks, views and allocations.
 
 It is used where every piece is one the C stack has (`unsupported` says what is missing otherwise):
 Llama's own layers (not a subclass's), bf16 linears without bias on the native small-batch kernel and
@@ -34,7 +36,7 @@ from services.scheduler.kernels.cpu_kernels import (
     check_kv,
     prefix_dtype,
 )
-from services.scheduler.kernels.cpu_linear import PackedLinear
+from services.scheduler.kernels.cpu_linear import TILES_MAX_T, PackedLinear
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -77,8 +79,8 @@ def unsupported(model: torch.nn.Module, backend: object, native: NativeKernels |
 
 
 class NativeDecodeStack:
-    """Runs decode steps through csrc/decode_stack.c: fewer than BF16_SMALL_T rows wholly in C, more with
-    the linears called back in Python."""
+    """Runs decode steps through csrc/decode_stack.c: fewer than BF16_SMALL_T rows wholly in C, up to
+    TILES_MAX_T too where every linear has its AMX tile copy, more with the linears called back in Python."""
 
     def __init__(self, model: LlamaForCausalLM, backend: TorchSDPABackend, native: NativeKernels) -> None:
         assert unsupported(model, backend, native) is None
@@ -121,11 +123,21 @@ class NativeDecodeStack:
         x = model.embed_tokens(batch.input_ids)  # [T, H] float32, a fresh tensor: the stack adds into it
         positions = model.rotary.prepare(batch.positions)
         assert isinstance(positions, torch.Tensor)  # the native rotary's: the checked positions
-        args = (x, self._table(layout), self.heads, self.inter, self.eps, positions, model.rotary.cos,
-                model.rotary.sin, layout, self.scale, backend.kv_pool.dtype)
         t = x.shape[0]
-        if self.linears[0][0].input_dtype(t) == torch.float32:  # the native linear kernel takes t rows
+        small = self.linears[0][0].input_dtype(t) == torch.float32  # the native linear kernel takes t rows
+        # Every linear on the tile GEMM at these rows (as PackedLinear.forward picks): the stack calls it itself.
+        tiled = not small and t <= TILES_MAX_T and all(lin.tiled is not None for lins in self.linears for lin in lins)
+        args = (x, self._table(layout, tiled), self.heads, self.inter, self.eps, positions, model.rotary.cos,
+                model.rotary.sin, layout, self.scale, backend.kv_pool.dtype)
+        if small:
             delta = self.native.decode_stack(*args)
+        elif tiled:
+            hkv, g, d = self.heads
+            n, q, bf16 = x.shape[1], hkv * g * d, torch.bfloat16
+            io = (torch.empty(t, n, dtype=bf16), torch.empty(t, q), torch.empty(t, self.inter, dtype=bf16),
+                  torch.empty(t, q + 2 * hkv * d), torch.empty(t, n, dtype=bf16),
+                  torch.empty(t, 2 * self.inter, dtype=bf16), torch.empty(t, n, dtype=bf16))
+            delta = self.native.decode_stack(*args, io=io, tiled=True)
         else:
             hkv, g, d = self.heads
             h = torch.empty(t, x.shape[1], dtype=torch.bfloat16)
@@ -156,8 +168,9 @@ class NativeDecodeStack:
             self._error = e
             return 0
 
-    def _table(self, layout: DecodeLayout) -> torch.Tensor:
-        """[L, len(STACK_COLUMNS)] int64: this step's pointers. The KV buffers are read from the backend every
+    def _table(self, layout: DecodeLayout, tiled: bool = False) -> torch.Tensor:
+        """[L, len(STACK_COLUMNS)] int64: this step's pointers (`tiled`: the linears' tile copies, read from
+        them every step, as a weight update repacks them). The KV buffers are read from the backend every
         step (the dense rows grow; shared prefixes come and go): the first layer's are checked against the
         layout as decode_attention checks them, the others against the first layer's."""
         backend, (hkv, _, d) = self.backend, self.heads
@@ -177,8 +190,10 @@ class NativeDecodeStack:
             kt, v = dense.buffers(layer)
             pk, pv = pool.get_kv_buffer(layer)
             assert kt.shape == kt0.shape and v.shape == v0.shape and pk.shape == pv.shape == pk0.shape
-            row = [w.data_ptr() for w in weights] + [kt.data_ptr(), v.data_ptr(), 0, 0, pk.data_ptr(),
-                                                     pv.data_ptr(), self.windows[layer]]
+            linears = [cast(torch.Tensor, lin.tiled) for lin in self.linears[layer]] if tiled else weights[:4]
+            row = [w.data_ptr() for w in (*linears, *weights[4:])] + [kt.data_ptr(), v.data_ptr(), 0, 0,
+                                                                      pk.data_ptr(), pv.data_ptr(),
+                                                                      self.windows[layer]]
             if prefix0 is not None:
                 prefix = dense.prefix_buffers(layer)
                 assert prefix is not None and (prefix[0].shape, prefix[1].shape) == (prefix0[0].shape, prefix0[1].shape)

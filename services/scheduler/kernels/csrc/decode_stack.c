@@ -24,6 +24,11 @@
  * down return bf16, the gate writes down's bf16 input (io[2]); qkv returns float32, the attention writes
  * float32 (io[1]). Per layer that is four calls back into Python instead of about a dozen, and the delta of
  * the last layer is the last DS_DOWN output (`delta` is not written).
+ * Where every linear has a copy in the AMX tile layout (`tiled`; linear.c's linear_tiles, from BF16_SMALL_T to
+ * TILES_MAX_T rows) the stack calls that GEMM itself, the weight columns holding the tile copies and io also
+ * the linears' outputs (qkv float32, o, gate_up and down bf16): the same kernel on the same input as the
+ * callback's PackedLinear.forward, so the same bits, without four calls into Python a layer; io[6], the last
+ * down output, is the last layer's MLP output.
  * Returns 0, or the first failing kernel's nonzero code (an unsupported head shape; out of memory; -2: a
  * callback failed).
  */
@@ -35,6 +40,8 @@ enum { DS_QKV, DS_O, DS_GATE_UP, DS_DOWN, DS_NORM_IN, DS_NORM_POST, DS_KT, DS_V,
 
 int linear_bf16w_f32(const float *x, int64_t ldx, int64_t T, const uint16_t *w, int64_t N, int64_t K, float *out,
                      int threads);
+int linear_tiles(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16_t *wp, int64_t N, int64_t K,
+                 void *out, int out_bf16, int threads);
 void add_rms_norm_f32(float *x, int64_t x_stride, const void *delta, int64_t delta_stride, void *out,
                       const float *w, int64_t T, int64_t N, float eps, int threads, int delta_bf16, int out_bf16);
 void silu_mul_f32(const void *gate_up, void *out, int64_t T, int64_t I, int threads, int in_bf16, int out_bf16);
@@ -65,11 +72,34 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
                      const float *sin_t, int64_t half, const int64_t *rows, const int64_t *order,
                      const int64_t *lens, int64_t Lcap, float scale, const int64_t *entry, const int64_t *plen,
                      int64_t Pcap, const int64_t *new_pos, const int64_t *loc, int kv, float *ws,
-                     int threads, ds_gemm_fn gemm, const int64_t *io) {
+                     int threads, ds_gemm_fn gemm, const int64_t *io, int tiled) {
     const int64_t Hq = Hkv * G, Q = (Hq + 2 * Hkv) * D;
     float *h = ws, *qkv = h + T * N, *att = qkv + T * Q, *o = att + T * Hq * D, *gu = o + T * N;
     float *act = gu + T * 2 * I, *scratch = act + T * I;
     int rc = 0;
+    if (tiled) {
+        void *hb = (void *)(intptr_t)io[0], *actb = (void *)(intptr_t)io[2], *ob = (void *)(intptr_t)io[4];
+        void *gub = (void *)(intptr_t)io[5], *db = (void *)(intptr_t)io[6];
+        float *a = (float *)(intptr_t)io[1], *q = (float *)(intptr_t)io[3];
+        scratch = ws; /* as with the callback */
+        for (int64_t l = 0; l < L && rc == 0; l++) {
+            add_rms_norm_f32(x, N, l ? db : NULL, l ? N : 0, hb, PTR(l, DS_NORM_IN), T, N, eps, threads, 1, 1);
+            if ((rc = linear_tiles(hb, N, 1, T, PTR(l, DS_QKV), Q, N, q, 0, threads))) break;
+            rope_f32(q, positions, cos_t, sin_t, T, Q, Hq + Hkv, D, half, threads);
+            if ((rc = decode_attention_f32(q, Q, PTR(l, DS_KT), PTR(l, DS_V), rows, order, lens, a, scratch, T, Hkv,
+                                           G, D, Lcap, scale, threads, PTR(l, DS_PREFIX_K), PTR(l, DS_PREFIX_V),
+                                           entry, plen, Pcap, layers[l * DS_COLS + DS_WINDOW], q + Hq * D, Q,
+                                           q + (Hq + Hkv) * D, Q, new_pos, PTR(l, DS_POOL_K), PTR(l, DS_POOL_V),
+                                           loc, kv)))
+                break;
+            if ((rc = linear_tiles(a, Hq * D, 0, T, PTR(l, DS_O), N, Hq * D, ob, 1, threads))) break;
+            add_rms_norm_f32(x, N, ob, N, hb, PTR(l, DS_NORM_POST), T, N, eps, threads, 1, 1);
+            if ((rc = linear_tiles(hb, N, 1, T, PTR(l, DS_GATE_UP), 2 * I, N, gub, 1, threads))) break;
+            silu_mul_f32(gub, actb, T, I, threads, 1, 1);
+            rc = linear_tiles(actb, I, 1, T, PTR(l, DS_DOWN), N, I, db, 1, threads);
+        }
+        return rc;
+    }
     if (gemm) {
         void *hb = (void *)(intptr_t)io[0], *actb = (void *)(intptr_t)io[2];
         float *a = (float *)(intptr_t)io[1];
