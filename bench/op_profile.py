@@ -18,7 +18,10 @@ The ops are timed on the Python layers; where the engine has the one-call native
 
 Beside each linear row: the same matmuls as plain `F.linear` calls on fresh tensors (float32 and,
 where the CPU has AVX512-BF16 or AMX, bfloat16), so the step can be read against the machine's GEMM
-rate: "step / linears at the GEMM rate" is the ratio the speed issue asks to bring under 1.5.
+rate: "step / linears at the GEMM rate" is the ratio the speed issue asks to bring under 1.5. Below the
+decode table, the memory floor: the bytes a step cannot avoid reading (every weight once, every request's
+K and V over its context in every layer) at the rate a streaming read reaches in the same process, and
+the served step against it.
 """
 
 from __future__ import annotations
@@ -112,6 +115,34 @@ def linear_shapes(model: torch.nn.Module) -> dict[str, list[tuple[int, int]]]:
     vocab, hidden = embed.weight.shape
     shapes["linear lm_head"].append((hidden, vocab))
     return shapes
+
+
+def read_rate(mib: int = 512, reps: int = 3) -> float:
+    """Bytes per second a streaming read reaches on this process's threads: the best of `reps` sums over
+    `mib` MiB of float32, more than the caches hold, so it is the memory's rate for this layout of work."""
+    x = torch.ones(mib << 18)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def step_bytes(engine: Any, shapes: dict[str, list[tuple[int, int]]], batch: int, context: int) -> tuple[int, int]:
+    """(weights, KV) bytes a decode step reads at the least: each linear's weight once (the lm_head's too)
+    and, in every layer, each request's keys and values over its context."""
+    from services.scheduler.kernels.cpu_linear import PackedLinear
+
+    model = engine.runner.model
+    linear = next((m for m in model.modules() if isinstance(m, PackedLinear | torch.nn.Linear)), None)
+    elem = linear.weight.element_size() if linear is not None else 4
+    weights = sum(i * o for family in shapes.values() for i, o in family) * elem
+    attn = model.first_attention()
+    kv_elem = engine.runner.token_to_kv_pool.k_buffer[0].element_size()
+    kv = batch * context * len(model.layers) * 2 * attn.num_kv_heads * attn.head_dim * kv_elem
+    return weights, kv
 
 
 def gemm_seconds(rows: int, shape: tuple[int, int], dtype: torch.dtype, reps: int = 5) -> float:
@@ -227,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Step profile: {model_dir.name}, {engine.runner.dtype_label()}, {torch.get_num_threads()} threads, "
           f"context {args.context}")
     timers, totals = instrument(engine)
+    rate = read_rate()
+    log(f"streaming read: {rate / 1e9:.1f} GB/s on {torch.get_num_threads()} threads")
     if args.prefill:
         log(f"prefill of {args.prefill} tokens")
         timers.seconds.clear()
@@ -258,13 +291,19 @@ def main(argv: list[str] | None = None) -> int:
             log(f"decode at batch {b}: only {min(decoding)}-{max(decoding)} requests decoded per step")
         text = report(f"decode, batch {b}", timers, totals, args.steps,
                       gemm_table(shapes, dict.fromkeys(shapes, b), dtypes), dtypes)
+        step_ms = totals["step"] / args.steps * 1e3
         if stack is not None:
             engine.runner.decode_stack = stack
             totals.clear()
             for _ in range(args.steps):
                 engine.step()
-            text += (f"\nthe same step with the one-call native decode stack (as served): "
-                     f"{totals['step'] / args.steps * 1e3:,.2f} ms")
+            step_ms = totals["step"] / args.steps * 1e3
+            text += f"\nthe same step with the one-call native decode stack (as served): {step_ms:,.2f} ms"
+        weights, kv = step_bytes(engine, shapes, b, args.context + 1 + args.steps // 2)  # the mean context timed
+        floor_ms = (weights + kv) / rate * 1e3
+        text += (f"\nmemory floor: {weights / 1e6:,.0f} MB of weights + {kv / 1e6:,.0f} MB of KV a step at the "
+                 f"streaming read rate ({rate / 1e9:.1f} GB/s) = {floor_ms:,.2f} ms; step as served / that = "
+                 f"{step_ms / floor_ms:.2f}x")
         print(text + "\n", flush=True)
         drop(engine, rids)
     return 0
