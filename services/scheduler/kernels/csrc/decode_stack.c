@@ -67,6 +67,30 @@ int64_t decode_stack_workspace(int64_t T, int64_t N, int64_t Hkv, int64_t G, int
 
 #define PTR(l, c) ((void *)(intptr_t)layers[(l) * DS_COLS + (c)])
 
+/* A larger step's linears: the callback's (gemm), or the tile GEMM's (gemm NULL) into io's output buffers. */
+typedef struct {
+    ds_gemm_fn gemm;
+    const int64_t *io, *layers;
+    int64_t T;
+    int threads;
+    int *rc;
+} larger_step;
+
+/* Layer l's linear `which` on its input `in` (rows ld elements apart, bf16 or float32), N outputs of K
+ * inputs; its output (float32 for qkv, else bf16), or NULL with *rc set. */
+static const void *step_linear(const larger_step *st, int64_t l, int64_t which, const void *in, int64_t ld,
+                               int in_bf16, int64_t N, int64_t K) {
+    if (st->gemm) {
+        const void *y = st->gemm(l, which);
+        if (!y) *st->rc = -2;
+        return y;
+    }
+    void *out = (void *)(intptr_t)st->io[3 + which];
+    const int64_t *layers = st->layers;
+    *st->rc = linear_tiles(in, ld, in_bf16, st->T, PTR(l, which), N, K, out, which != DS_QKV, st->threads);
+    return *st->rc ? NULL : out;
+}
+
 int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, int64_t L, int64_t N, int64_t Hkv,
                      int64_t G, int64_t D, int64_t I, float eps, const int64_t *positions, const float *cos_t,
                      const float *sin_t, int64_t half, const int64_t *rows, const int64_t *order,
@@ -77,38 +101,16 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
     float *h = ws, *qkv = h + T * N, *att = qkv + T * Q, *o = att + T * Hq * D, *gu = o + T * N;
     float *act = gu + T * 2 * I, *scratch = act + T * I;
     int rc = 0;
-    if (tiled) {
-        void *hb = (void *)(intptr_t)io[0], *actb = (void *)(intptr_t)io[2], *ob = (void *)(intptr_t)io[4];
-        void *gub = (void *)(intptr_t)io[5], *db = (void *)(intptr_t)io[6];
-        float *a = (float *)(intptr_t)io[1], *q = (float *)(intptr_t)io[3];
-        scratch = ws; /* as with the callback */
-        for (int64_t l = 0; l < L && rc == 0; l++) {
-            add_rms_norm_f32(x, N, l ? db : NULL, l ? N : 0, hb, PTR(l, DS_NORM_IN), T, N, eps, threads, 1, 1);
-            if ((rc = linear_tiles(hb, N, 1, T, PTR(l, DS_QKV), Q, N, q, 0, threads))) break;
-            rope_f32(q, positions, cos_t, sin_t, T, Q, Hq + Hkv, D, half, threads);
-            if ((rc = decode_attention_f32(q, Q, PTR(l, DS_KT), PTR(l, DS_V), rows, order, lens, a, scratch, T, Hkv,
-                                           G, D, Lcap, scale, threads, PTR(l, DS_PREFIX_K), PTR(l, DS_PREFIX_V),
-                                           entry, plen, Pcap, layers[l * DS_COLS + DS_WINDOW], q + Hq * D, Q,
-                                           q + (Hq + Hkv) * D, Q, new_pos, PTR(l, DS_POOL_K), PTR(l, DS_POOL_V),
-                                           loc, kv)))
-                break;
-            if ((rc = linear_tiles(a, Hq * D, 0, T, PTR(l, DS_O), N, Hq * D, ob, 1, threads))) break;
-            add_rms_norm_f32(x, N, ob, N, hb, PTR(l, DS_NORM_POST), T, N, eps, threads, 1, 1);
-            if ((rc = linear_tiles(hb, N, 1, T, PTR(l, DS_GATE_UP), 2 * I, N, gub, 1, threads))) break;
-            silu_mul_f32(gub, actb, T, I, threads, 1, 1);
-            rc = linear_tiles(actb, I, 1, T, PTR(l, DS_DOWN), N, I, db, 1, threads);
-        }
-        return rc;
-    }
-    if (gemm) {
+    if (gemm || tiled) {
         void *hb = (void *)(intptr_t)io[0], *actb = (void *)(intptr_t)io[2];
         float *a = (float *)(intptr_t)io[1];
         const void *d = NULL; /* the previous layer's down output, bf16 */
         scratch = ws;         /* the workspace is the attention's scratch only (decode_stack_workspace at T = 0) */
+        const larger_step st = {gemm, io, layers, T, threads, &rc};
         for (int64_t l = 0; l < L && rc == 0; l++) {
             add_rms_norm_f32(x, N, d, d ? N : 0, hb, PTR(l, DS_NORM_IN), T, N, eps, threads, 1, 1);
-            float *q = (float *)gemm(l, DS_QKV);
-            if (!q) { rc = -2; break; }
+            float *q = (float *)step_linear(&st, l, DS_QKV, hb, N, 1, Q, N);
+            if (!q) break;
             rope_f32(q, positions, cos_t, sin_t, T, Q, Hq + Hkv, D, half, threads);
             if ((rc = decode_attention_f32(q, Q, PTR(l, DS_KT), PTR(l, DS_V), rows, order, lens, a, scratch, T, Hkv,
                                            G, D, Lcap, scale, threads, PTR(l, DS_PREFIX_K), PTR(l, DS_PREFIX_V),
@@ -116,13 +118,13 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
                                            q + (Hq + Hkv) * D, Q, new_pos, PTR(l, DS_POOL_K), PTR(l, DS_POOL_V),
                                            loc, kv)))
                 break;
-            const void *ob = gemm(l, DS_O);
-            if (!ob) { rc = -2; break; }
+            const void *ob = step_linear(&st, l, DS_O, a, Hq * D, 0, N, Hq * D);
+            if (!ob) break;
             add_rms_norm_f32(x, N, ob, N, hb, PTR(l, DS_NORM_POST), T, N, eps, threads, 1, 1);
-            const void *gub = gemm(l, DS_GATE_UP);
-            if (!gub) { rc = -2; break; }
+            const void *gub = step_linear(&st, l, DS_GATE_UP, hb, N, 1, 2 * I, N);
+            if (!gub) break;
             silu_mul_f32(gub, actb, T, I, threads, 1, 1);
-            if (!(d = gemm(l, DS_DOWN))) rc = -2;
+            d = step_linear(&st, l, DS_DOWN, actb, I, 1, N, I);
         }
         return rc;
     }
