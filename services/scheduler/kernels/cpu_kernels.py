@@ -192,7 +192,7 @@ class NativeKernels:
                                                                       ctypes.c_int, ctypes.c_int])
         self._stack = self._fn(lib.decode_stack_f32, ctypes.c_int,
                                [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
-                                _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P, ctypes.c_int])
+                                _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P])
         self._stack_ws = self._fn(lib.decode_stack_workspace, _I, [_I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int,
                                                                    ctypes.c_int])
         self._decode_scratch = self._fn(lib.decode_scratch, _I, [_I, _I, _I, _I, ctypes.c_int])
@@ -460,6 +460,7 @@ class NativeKernels:
         threads = torch.get_num_threads()
         p_cap = layout.p_cap if layout.entry is not None else 0
         io_ptrs = None
+        assert gemm is None or not tiled  # the callback's linears, or the tile GEMM's (gemm NULL, io given)
         if gemm is not None or tiled:
             assert io is not None and len(io) == (7 if tiled else 3)
             q = hkv * g * d
@@ -481,7 +482,7 @@ class NativeKernels:
                          layout.rows.data_ptr(), _ptr(layout.order), layout.lens.data_ptr(), layout.l_cap, scale,
                          _ptr(layout.entry), _ptr(layout.plen), p_cap, layout.new_pos.data_ptr(),
                          layout.loc.data_ptr(), kind, ws.data_ptr(), threads,
-                         _NO_GEMM if gemm is None or tiled else gemm, _ptr(io_ptrs), int(tiled))
+                         _NO_GEMM if gemm is None else gemm, _ptr(io_ptrs))
         if rc == STACK_GEMM_FAILED and not tiled:
             raise RuntimeError("decode stack: a linear's callback failed")
         if rc != 0:

@@ -131,8 +131,8 @@ class PackedLinear(nn.Module):
         if self.tied_to is not None:
             self.weight.copy_(self.tied_to)
         self.packed = _pack(self.weight)
-        if self.tiled is not None:
-            self.tiled = self.native.pack_tiles(self.weight) if self.native is not None else None
+        if self.tiled is not None and self.native is not None:
+            self.tiled = self.native.pack_tiles(self.weight)
 
 
 def supported(dtype: torch.dtype = torch.float32) -> bool:

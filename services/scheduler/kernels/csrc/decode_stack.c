@@ -24,11 +24,11 @@
  * down return bf16, the gate writes down's bf16 input (io[2]); qkv returns float32, the attention writes
  * float32 (io[1]). Per layer that is four calls back into Python instead of about a dozen, and the delta of
  * the last layer is the last DS_DOWN output (`delta` is not written).
- * Where every linear has a copy in the AMX tile layout (`tiled`; linear.c's linear_tiles, from BF16_SMALL_T to
- * TILES_MAX_T rows) the stack calls that GEMM itself, the weight columns holding the tile copies and io also
- * the linears' outputs (qkv float32, o, gate_up and down bf16): the same kernel on the same input as the
- * callback's PackedLinear.forward, so the same bits, without four calls into Python a layer; io[6], the last
- * down output, is the last layer's MLP output.
+ * Where every linear has a copy in the AMX tile layout (linear.c's linear_tiles, from BF16_SMALL_T to
+ * TILES_MAX_T rows), `gemm` NULL with `io` given: the stack calls that GEMM itself, the weight columns holding
+ * the tile copies and io also the linears' outputs (qkv float32, o, gate_up and down bf16): the same kernel on
+ * the same input as the callback's PackedLinear.forward, so the same bits, without four calls into Python a
+ * layer; io[6], the last down output, is the last layer's MLP output.
  * Returns 0, or the first failing kernel's nonzero code (an unsupported head shape; out of memory; -2: a
  * callback failed).
  */
@@ -96,12 +96,12 @@ int decode_stack_f32(float *x, float *delta, int64_t T, const int64_t *layers, i
                      const float *sin_t, int64_t half, const int64_t *rows, const int64_t *order,
                      const int64_t *lens, int64_t Lcap, float scale, const int64_t *entry, const int64_t *plen,
                      int64_t Pcap, const int64_t *new_pos, const int64_t *loc, int kv, float *ws,
-                     int threads, ds_gemm_fn gemm, const int64_t *io, int tiled) {
+                     int threads, ds_gemm_fn gemm, const int64_t *io) {
     const int64_t Hq = Hkv * G, Q = (Hq + 2 * Hkv) * D;
     float *h = ws, *qkv = h + T * N, *att = qkv + T * Q, *o = att + T * Hq * D, *gu = o + T * N;
     float *act = gu + T * 2 * I, *scratch = act + T * I;
     int rc = 0;
-    if (gemm || tiled) {
+    if (io) { /* the larger steps: the callback's linears (gemm), else the tile GEMM's */
         void *hb = (void *)(intptr_t)io[0], *actb = (void *)(intptr_t)io[2];
         float *a = (float *)(intptr_t)io[1];
         const void *d = NULL; /* the previous layer's down output, bf16 */
