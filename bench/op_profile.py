@@ -1,7 +1,7 @@
 """Where a real step's time goes: the engine's decode steps at several batch sizes and one prefill, by op.
 
     python -m bench.op_profile [--model smollm2-135m-instruct] [--batches 1,32,64] [--context 384]
-                               [--prefill 512] [--steps 6] [--dtype auto] [--kv-cache-dtype auto]
+                               [--prefill 512] [--prefill-requests 1] [--steps 6] [--dtype auto] [--kv-cache-dtype auto]
 
 Runs the scheduler's Engine in this process on the model (float32 on CPU unless --dtype or
 --kv-cache-dtype say otherwise), brings
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,32,64", help="decode batch sizes")
     ap.add_argument("--context", type=int, default=384, help="tokens already in each request's context")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the profiled prefill (0: none)")
+    ap.add_argument("--prefill-requests", type=int, default=1,
+                    help="requests of --prefill tokens each in the profiled prefill (one step)")
     ap.add_argument("--steps", type=int, default=6, help="decode steps timed per batch size")
     ap.add_argument("--dtype", default="auto", help="the engine's --dtype")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve(args.model)
     # A pool that holds the largest batch whole: the CPU default (1 GiB of KV, ~23k tokens of this
     # model in float32) would hold 64 x 384 only in part, and the "batch 64" step would decode fewer.
-    pool = max(batches + [1]) * (args.context + args.steps + 8) + args.prefill + 64
+    pool = max(batches + [1]) * (args.context + args.steps + 8) + args.prefill * args.prefill_requests + 64
     # Prefills back to back while filling (no decode steps between them): the first requests would
     # otherwise use up their few new tokens before the last one joins.
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype,
@@ -261,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     rate = read_rate()
     log(f"streaming read: {rate / 1e9:.1f} GB/s on {torch.get_num_threads()} threads")
     if args.prefill:
-        log(f"prefill of {args.prefill} tokens")
+        n = args.prefill_requests
+        log(f"prefill of {n} x {args.prefill} tokens, once untimed first (oneDNN builds its GEMMs for a new "
+            f"row count on first use)")
+        drop(engine, fill(engine, n, args.prefill, seed=1, new_tokens=2))
         timers.seconds.clear()
         totals.clear()
-        rids = fill(engine, 1, args.prefill, seed=0, new_tokens=2)
-        rows = dict.fromkeys(shapes, args.prefill) | {"linear lm_head": 1}
-        print(report(f"prefill, 1 x {args.prefill} tokens", timers, totals, 1,
+        rids = fill(engine, n, args.prefill, seed=0, new_tokens=2)
+        rows = dict.fromkeys(shapes, n * args.prefill) | {"linear lm_head": n}
+        print(report(f"prefill, {n} x {args.prefill} tokens", timers, totals, 1,
                      gemm_table(shapes, rows, dtypes), dtypes) + "\n", flush=True)
         drop(engine, rids)
     for b in batches:

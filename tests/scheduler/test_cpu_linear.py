@@ -131,3 +131,27 @@ def test_pack_linears_in_bf16_drops_the_float32_weights() -> None:
     assert {p.dtype for n, p in model.named_parameters() if n.endswith("weight")} == {torch.bfloat16}
     assert {p.dtype for n, p in model.named_parameters() if n.endswith("bias")} == {torch.float32}
     torch.testing.assert_close(model(x), want, rtol=5e-2, atol=5e-2)
+
+
+def test_padded_rows_bound_the_row_counts_onednn_meets() -> None:
+    for rows in range(1, cpu_linear.PAD_FROM):
+        assert cpu_linear.padded_rows(rows) == rows
+    counts = {cpu_linear.padded_rows(rows) for rows in range(cpu_linear.PAD_FROM, 8193)}
+    for rows in range(cpu_linear.PAD_FROM, 8193):
+        assert rows <= cpu_linear.padded_rows(rows) <= rows * 17 // 16
+    assert len(counts) == 7 * 16 + 1  # 16 per power of two from 64 to 8,192 (and 8,192 itself)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_gemm_rows_are_the_unpadded_gemm_rows(dtype: torch.dtype) -> None:
+    """The padding rows change nothing in the real ones, and never reach the caller."""
+    if not cpu_linear.supported(dtype):
+        pytest.skip(f"no oneDNN {dtype} linear in this torch")
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 64) * 0.1, torch.randn(96), torch.randn(1000, 64)
+    assert cpu_linear.padded_rows(1000) == 1024
+    layer = cpu_linear.PackedLinear(w, b, dtype)  # no native kernels: oneDNN takes every size here
+    got = layer(x)
+    assert got.shape == (1000, 96) and got.is_contiguous()
+    unpadded = torch.ops.mkldnn._linear_pointwise(x.to(dtype), layer.packed, None, "none", [], "").float() + b
+    assert torch.equal(got, unpadded)

@@ -26,6 +26,13 @@ through the tile unit at about the memory's rate: SmolLM2-135M's four projection
 weights cold as in a step, 0.50 against oneDNN's 0.99 ms (at 512 rows 2.5 against 4.5; at 2048 the two
 are even, and oneDNN keeps the larger batches). Its output is rounded to bf16 as oneDNN's is.
 
+oneDNN builds (JIT-compiles) a GEMM for each row count it meets and caches it (1,024 entries): a prefill
+of a row count not seen before paid 4-8 ms a projection shape for the build, ~30 ms of a 2,000-row
+SmolLM2-135M prefill of ~380 ms (in process, prompts of varying length against the same length each
+time). So from PAD_FROM rows on, the rows are padded with zeros up to the next of 16 steps per power of
+two (`padded_rows`: at most 1/16 more rows to compute; up to 8,192 rows 176 counts a shape in all),
+and the extra rows' output is dropped. Each row's result does not depend on the others.
+
 The packed op is the one torch's inductor uses for frozen CPU linears
 (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise); when it is missing or misbehaves,
 packing is skipped and everything stays on F.linear.
@@ -46,6 +53,16 @@ SMALL_T = 4        # fewer rows than this: F.linear in float32 (oneDNN's call ov
 BF16_SMALL_T = 8   # fewer rows than this, with bf16 weights: the native kernel (csrc/linear.c)
 TILES_MAX_T = 512  # from BF16_SMALL_T to this many rows, where the CPU has AMX: linear.c's tile GEMM
 PACK_BATCH_HINT = 64
+PAD_FROM = 64      # from this many rows, oneDNN's GEMMs run on padded_rows(rows)
+
+
+def padded_rows(rows: int) -> int:
+    """The rows oneDNN's GEMM runs at for `rows` (>= rows): below PAD_FROM the count itself (few counts,
+    all cached), above it rounded up to a multiple of 1/16 of its power of two."""
+    if rows < PAD_FROM:
+        return rows
+    step = 1 << (rows.bit_length() - 5)
+    return -(-rows // step) * step
 
 
 def native_bf16() -> bool:
@@ -105,7 +122,7 @@ class PackedLinear(nn.Module):
         if w.dtype == torch.float32:
             if x.shape[0] < SMALL_T:
                 return F.linear(x, w, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return self._onednn(x, self.bias)
         # bf16 weights under float32 activations: a bf16 GEMM (float32 accumulation) on the rounded
         # input (x float32, or already bf16 from a kernel that rounded it: input_dtype), widened back
         # unless `out_bf16`; the bias stays float32, added after.
@@ -116,10 +133,23 @@ class PackedLinear(nn.Module):
             assert self.native is not None  # tiled only with the native kernels
             y = self.native.linear_tiles(x, self.tiled, torch.bfloat16 if self.out_bf16 else torch.float32)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), self.packed, None, "none", [], "")
+            y = self._onednn(x, None)
             if not self.out_bf16:
                 y = y.float()
         return y if self.bias is None else y.add_(self.bias)
+
+    def _onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The packed GEMM on x [T, in] (rounded to the weight's dtype) at padded_rows(T) rows: [T, out]
+        in the weight's dtype, a view of the first T rows."""
+        rows, dtype = x.shape[0], self.weight.dtype
+        pad = padded_rows(rows)
+        if pad == rows:
+            xin = x.to(dtype)
+        else:
+            xin = x.new_empty((pad, x.shape[1]), dtype=dtype)
+            xin[:rows].copy_(x)
+            xin[rows:].zero_()
+        return torch.ops.mkldnn._linear_pointwise(xin, self.packed, bias, "none", [], "")[:rows]
 
     def input_dtype(self, rows: int) -> torch.dtype:
         """The dtype the GEMM reads for `rows` rows: bf16 where the packed bf16 GEMM takes them, so a
