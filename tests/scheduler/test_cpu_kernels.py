@@ -509,15 +509,18 @@ def test_extend_over_a_narrow_pool_is_the_float32_kernel_on_the_rounded_keys(ker
 
 @pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
 @pytest.mark.parametrize("heads,group,dim", [(3, 3, 64), (2, 1, 32), (1, 5, 128)])
+@pytest.mark.parametrize("lens,prefix", [([1, 70, 5, 17, 40, 3], [0, 0, 33, 2, 90, 130]),  # many requests
+                                         ([700], [0]), ([600, 333], [0, 41])],  # a few: rows cut into runs
+                         ids=["many", "one", "two"])
 def test_extend_on_tiles_matches_the_float32_kernel(kernel, threads: int, heads: int, group: int, dim: int,
-                                                    dtype: torch.dtype) -> None:
+                                                    dtype: torch.dtype, lens: list[int], prefix: list[int]) -> None:
     """Prefill on AMX tiles over a bf16 or fp8 pool (q and the probabilities rounded to bf16 for the
     products) against the float32 kernel on the same keys: within bf16's rounding, for requests of one to
-    many query tiles, after cached prefixes, with a window that starts past the first 32 keys."""
+    many query tiles, after cached prefixes, with a window that starts past the first 32 keys; a request
+    alone or one of two, long enough that its query rows are cut into runs of their own tasks."""
     if not kernel.tiles_for(dtype, dim):
         pytest.skip("no AMX-BF16 tiles on this CPU")
     torch.manual_seed(heads + group + dim)
-    lens, prefix = [1, 70, 5, 17, 40, 3], [0, 0, 33, 2, 90, 130]
     l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
     b = len(lens)
     kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)

@@ -329,8 +329,9 @@ def test_bf16_edges_change_no_bit_of_the_logits(model_dir: str) -> None:
 
 def test_bf16_prefill_of_fresh_prompts_attends_in_bf16_and_agrees_with_the_c_kernel(model_dir: str) -> None:
     """Under bf16 linears an EXTEND whose requests have nothing cached runs flash attention in bf16 per
-    request; one with a cached prefix keeps the C kernel. Both compute causal attention over the same
-    bf16 keys: they agree within bf16 rounding of the queries and weights."""
+    request (several at once on AMX tiles, where the CPU has them); one with a cached prefix keeps the C
+    kernel. All compute causal attention over the same bf16 keys: they agree within bf16 rounding of the
+    queries and weights."""
     from services.scheduler.kernels import cpu_linear
 
     if not cpu_linear.supported(torch.bfloat16):
@@ -339,19 +340,25 @@ def test_bf16_prefill_of_fresh_prompts_attends_in_bf16_and_agrees_with_the_c_ker
     if r.native is None:
         pytest.skip("no C compiler: bf16 KV needs the C kernels")
     backend = r.attn_backend
-    seqs = [Seq(r, list(range(1, 1 + n))) for n in (9, 21)]
-    batch = make_batch(seqs, ForwardMode.EXTEND, [9, 21])
-    backend.init_forward_metadata(batch)
-    md = backend.metadata
-    assert md.prefill_spans == [(0, 9), (9, 30)]
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(30, backend.num_heads, backend.head_dim, generator=g)
-    k, v = (torch.randn(30, backend.num_kv_heads, backend.head_dim, generator=g) for _ in range(2))
-    got = backend.forward(q, k, v, layer_id=0)  # writes the pool, then attends in bf16
-    want = backend._extend_native(q, 0, md)     # the C kernel over the pool's bf16 keys, float32 math
-    assert got.dtype == torch.float32 and got.shape == want.shape == (30, backend.num_heads * backend.head_dim)
-    err = float((got - want).abs().max())
-    assert 1e-6 < err < 0.05, err  # bf16 queries and weights: close, and not the float32 path itself
+    for lens in ([21], [9, 21]):
+        seqs = [Seq(r, list(range(1, 1 + n))) for n in lens]
+        backend.init_forward_metadata(make_batch(seqs, ForwardMode.EXTEND, lens))
+        md = backend.metadata
+        t = sum(lens)
+        if len(lens) > 1 and backend.tiles:
+            assert md.prefill_spans is None  # the tile kernel
+        else:
+            assert md.prefill_spans == [(0, 21)] if len(lens) == 1 else [(0, 9), (9, 30)]
+        q = torch.randn(t, backend.num_heads, backend.head_dim, generator=g)
+        k, v = (torch.randn(t, backend.num_kv_heads, backend.head_dim, generator=g) for _ in range(2))
+        got = backend.forward(q, k, v, layer_id=0)  # writes the pool, then attends in bf16
+        tiles, backend.tiles = backend.tiles, False
+        want = backend._extend_native(q, 0, md)     # the C kernel over the pool's bf16 keys, float32 math
+        backend.tiles = tiles
+        assert got.dtype == torch.float32 and got.shape == want.shape == (t, backend.num_heads * backend.head_dim)
+        err = float((got - want).abs().max())
+        assert 1e-6 < err < 0.05, err  # bf16 queries and weights: close, and not the float32 path itself
     # A prefill after a cached prefix reads the pool: the C kernel.
     seqs[0].ids += [100, 101, 102, 103]
     backend.init_forward_metadata(make_batch(seqs[:1], ForwardMode.EXTEND, [4]))

@@ -72,6 +72,8 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
 #define KV_TILES 16
 #define KV_KIND(kv) ((kv) & (KV_TILES - 1))
 #define TILE_CHUNK 16 /* requests of one prefix per tile task, at most */
+#define EXTEND_TASKS 4      /* extend on tiles: tasks per thread at least, where the requests allow */
+#define EXTEND_MIN_ROWS 256 /* extend on tiles: query rows of a request's run, at least */
 
 /* fp8 code c (E4M3 or E5M2) as float32, exactly (subnormals by an integer's conversion, so no
  * flush-to-zero setting can lose them). */
@@ -992,10 +994,11 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
  * multiple of 32 at a time. ws: extend_scratch floats. */
 static inline __attribute__((always_inline)) void extend_tile_task(
     const float *restrict q, const void *pool_k, const void *pool_v, const int64_t *slots, int64_t t0,
-    int64_t n_new, int64_t pre, int64_t H, int64_t h, float *out, float *ws, int64_t Lcap, float scale,
-    int64_t window, const int64_t G, const int64_t D, const int SKV) {
+    int64_t n_new, int64_t pre, int64_t H, int64_t h, int64_t m_lo, int64_t m_hi, float *out, float *ws,
+    int64_t Lcap, float scale, int64_t window, const int64_t G, const int64_t D, const int SKV) {
     const int64_t g0 = window > 0 && pre + 1 > window ? pre + 1 - window : 0; /* as EXTEND_ROWS */
-    const int64_t nk = pre + n_new - g0, L32 = (nk + 31) / 32 * 32, Lp = (Lcap + 31) / 32 * 32, SS = Lp + 64;
+    const int64_t R = m_hi < n_new * G ? m_hi : n_new * G; /* query rows [m_lo, R): tokens i = row / G */
+    const int64_t nk = pre + (R - 1) / G + 1 - g0, L32 = (nk + 31) / 32 * 32, Lp = (Lcap + 31) / 32 * 32, SS = Lp + 64;
     uint32_t *kt = (uint32_t *)ws;            /* [D/2][L32] bf16 pairs of dimensions */
     uint16_t *vt = (uint16_t *)(kt + D / 2 * Lp); /* [L32/2][D][2] bf16 pairs of positions */
     float *s = (float *)(vt + Lp * D);        /* 16 rows of SS */
@@ -1019,8 +1022,7 @@ static inline __attribute__((always_inline)) void extend_tile_task(
         }
     }
     tiles_begin();
-    const int64_t R = n_new * G;
-    for (int64_t m0 = 0; m0 < R; m0 += 16) {
+    for (int64_t m0 = m_lo; m0 < R; m0 += 16) {
         const int64_t mr = R - m0 < 16 ? R - m0 : 16;
         for (int64_t r = 0; r < 16; r++) {
             const int64_t i = (m0 + r) / G, g = (m0 + r) % G;
@@ -1051,21 +1053,36 @@ static inline __attribute__((always_inline)) void extend_tile_task(
     _tile_release();
 }
 
+/* The first query row of run `part` of `parts` over R rows (part == parts: R), a multiple of 16: runs of
+ * about equal causal work, row r costing about r, so run p starts near R sqrt(p / parts). */
+static inline int64_t extend_cut(int64_t R, int64_t part, int64_t parts) {
+    if (part >= parts) return R;
+    const int64_t r = (int64_t)((double)R * sqrt((double)part / (double)parts)) / 16 * 16;
+    return r < R ? r : R;
+}
+
+/* One task per (request, KV head, run of query rows): a few requests alone (a single long prompt) left
+ * threads idle, so each request's rows are cut into `parts` runs (extend_cut), each task gathering the
+ * keys its rows see. Tasks go heaviest first (every request's last run), so the dynamic schedule ends
+ * evenly. */
 #define EXTEND_TILES(GC, DC)                                                                           \
     _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                             \
-    for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
-        const int64_t b = bh / H, n_new = q_start[b + 1] - q_start[b];                                 \
-        if (n_new == 0) continue;                                                                      \
+    for (int64_t task = 0; task < B * H * parts; task++) {                                             \
+        const int64_t part = parts - 1 - task / (B * H), bh = task % (B * H), b = bh / H;              \
+        const int64_t n_new = q_start[b + 1] - q_start[b];                                             \
+        const int64_t m_lo = extend_cut(n_new * (GC), part, parts);                                    \
+        const int64_t m_hi = extend_cut(n_new * (GC), part + 1, parts);                                \
+        if (m_lo >= m_hi) continue;                                                                    \
         float *ws = scratch + (int64_t)omp_get_thread_num() * per_thread;                              \
         if (kv == KV_BF16)                                                                             \
             extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
-                             out, ws, Lcap, scale, window, (GC), (DC), KV_BF16);                       \
+                             m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_BF16);           \
         else if (kv == KV_E4M3)                                                                        \
             extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
-                             out, ws, Lcap, scale, window, (GC), (DC), KV_E4M3);                       \
+                             m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_E4M3);           \
         else                                                                                           \
             extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
-                             out, ws, Lcap, scale, window, (GC), (DC), KV_E5M2);                       \
+                             m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_E5M2);           \
     }
 #endif
 
@@ -1088,6 +1105,17 @@ int extend_attention_f32(const float *q, const void *pool_k, const void *pool_v,
 #ifdef TILES
         if (D % 32 || kv == KV_F32 || !prefix_tiles_ready()) return -1;
         const int64_t per_thread = extend_scratch(G, D, Lcap, KV_TILES);
+        /* Runs per request: EXTEND_TASKS tasks a thread where the requests alone are fewer, no run shorter
+         * than EXTEND_MIN_ROWS query rows (each run gathers its keys again). */
+        int64_t active = 0, rows = 0;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t n = q_start[b + 1] - q_start[b];
+            active += n > 0;
+            rows = n * G > rows ? n * G : rows;
+        }
+        int64_t parts = active ? (EXTEND_TASKS * threads + active * H - 1) / (active * H) : 1;
+        if (parts > rows / EXTEND_MIN_ROWS) parts = rows / EXTEND_MIN_ROWS;
+        if (parts < 1) parts = 1;
         DISPATCH(EXTEND_TILES)
         return 0;
 #else
