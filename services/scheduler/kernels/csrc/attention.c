@@ -986,19 +986,21 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
     }
 
 #ifdef TILES
-/* Prefill attention on tiles (`kv` | KV_TILES, a bf16 or fp8 pool): per (request, KV head) its keys go
- * from the pool into the tile layout (bf16; fp8 widens exactly), then 16 query rows at a time (token-major,
- * G heads a token) score every key up to the last row's own as tile products, take their causal (and
- * windowed) softmax as in `tile_softmax`, and weight V as tile products. q and the probabilities are rounded
- * to bf16 for the products, as on the decode side. Keys before the tile's first row's window are skipped a
- * multiple of 32 at a time. ws: extend_scratch floats. */
+/* Prefill attention on tiles (`kv` | KV_TILES, a bf16 or fp8 pool): per (request, KV head, run of its query
+ * rows [m_lo, m_hi), m_lo a multiple of 16) the keys those rows see go from the pool into the tile layout
+ * (bf16; fp8 widens exactly), then 16 query rows at a time (token-major, G heads a token) score every key up
+ * to the last row's own as tile products, take their causal (and windowed) softmax as in `tile_softmax`, and
+ * weight V as tile products. q and the probabilities are rounded to bf16 for the products, as on the decode
+ * side. Keys before the tile's first row's window are skipped a multiple of 32 at a time. ws: extend_scratch
+ * floats. */
 static inline __attribute__((always_inline)) void extend_tile_task(
     const float *restrict q, const void *pool_k, const void *pool_v, const int64_t *slots, int64_t t0,
     int64_t n_new, int64_t pre, int64_t H, int64_t h, int64_t m_lo, int64_t m_hi, float *out, float *ws,
     int64_t Lcap, float scale, int64_t window, const int64_t G, const int64_t D, const int SKV) {
     const int64_t g0 = window > 0 && pre + 1 > window ? pre + 1 - window : 0; /* as EXTEND_ROWS */
     const int64_t R = m_hi < n_new * G ? m_hi : n_new * G; /* query rows [m_lo, R): tokens i = row / G */
-    const int64_t nk = pre + (R - 1) / G + 1 - g0, L32 = (nk + 31) / 32 * 32, Lp = (Lcap + 31) / 32 * 32, SS = Lp + 64;
+    const int64_t nk = pre + (R - 1) / G + 1 - g0, L32 = (nk + 31) / 32 * 32;
+    const int64_t Lp = (Lcap + 31) / 32 * 32, SS = Lp + 64;
     uint32_t *kt = (uint32_t *)ws;            /* [D/2][L32] bf16 pairs of dimensions */
     uint16_t *vt = (uint16_t *)(kt + D / 2 * Lp); /* [L32/2][D][2] bf16 pairs of positions */
     float *s = (float *)(vt + Lp * D);        /* 16 rows of SS */
