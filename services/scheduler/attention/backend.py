@@ -57,9 +57,8 @@ class SDPAMetadata:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     q_pad_index: torch.Tensor | None = None  # EXTEND [T] int64: row of each token in the [B * Lq] padding
     extend_layout: ExtendLayout | None = None  # EXTEND on the C kernel (CPU): where each request's tokens are
-    # EXTEND with nothing cached under bf16 linears (one request, or any number without AMX tiles): each
-    # request's [start, end) among the new tokens, for flash attention in bf16 (layers with a window still
-    # take the C kernel).
+    # EXTEND with nothing cached under bf16 linears, on a CPU without AMX tiles: each request's [start, end)
+    # among the new tokens, for flash attention in bf16 (layers with a window still take the C kernel).
     prefill_spans: list[tuple[int, int]] | None = None
     batch_size: int = 0
     q_len: int = 1                           # Lq: longest new span
@@ -101,9 +100,9 @@ class TorchSDPABackend:
         self.metadata: SDPAMetadata = None  # type: ignore[assignment]
         self.native = native  # CPU float32: the C kernels (decode over the dense cache, and prefill)
         self.prefill_bf16 = native is not None and prefill_dtype == torch.bfloat16
-        # bf16 compute (bf16 linears) on a CPU with AMX: shared prefixes, prefill after a cached prefix and
-        # prefill of several prompts at once attend by bf16 tile products; under float32 linears the
-        # attention arithmetic stays float32, whatever the KV cache holds.
+        # bf16 compute (bf16 linears) on a CPU with AMX: shared prefixes and every prefill attend by bf16
+        # tile products; under float32 linears the attention arithmetic stays float32, whatever the KV
+        # cache holds.
         self.tiles = self.prefill_bf16 and native is not None and native.tiles_for(kv_pool.dtype, head_dim)
         # CPU only: on CUDA the gather is cheap and the graph runner owns the decode metadata.
         self.dense = (DenseDecodeCache(kv_pool, self.req_to_token, len(kv_pool.k_buffer),
@@ -158,10 +157,10 @@ class TorchSDPABackend:
                                    self.kv_pool.num_slots)
             spans = None
             # Prompts with nothing cached: flash attention in bf16 per request (SDPA, as transformers runs a
-            # bf16 model), except several at once on AMX tiles, where the tile kernel is faster (in process,
-            # SmolLM2-135M, a prefill step of 8 x 256 tokens: 360 against 410 ms; 2 x 1,024: 439 against
-            # 447) and a single long prompt is not (1 x 2,048: 615 against 561; 1 x 512: even).
-            if self.prefill_bf16 and not any(batch.prefix_lens) and not (self.tiles and bs > 1):
+            # bf16 model), except on AMX tiles, where the C kernel is faster (in process, SmolLM2-135M, a
+            # whole prefill step: 8 x 256 tokens 312 against 410 ms, 1 x 2,048 541 against 558, 1 x 512 122
+            # against 129, 1 x 128 even).
+            if self.prefill_bf16 and not any(batch.prefix_lens) and not self.tiles:
                 bounds = q_start.tolist()
                 spans = list(zip(bounds[:-1], bounds[1:]))
             return SDPAMetadata(is_decode=False, out_cache_loc=batch.out_cache_loc, kv_index=kv_index,

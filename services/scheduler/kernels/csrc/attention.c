@@ -48,6 +48,7 @@
  * its time (fp8 after bf16: less, its widening takes more instructions); arithmetic stays float32 throughout.
  * All int64 except `threads` and `kv`; all arrays contiguous.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stddef.h>
@@ -591,7 +592,7 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
  * The copies are laid out as the tiles load them: K^T [E, H, D/2, Pcap, 2] (dimension pairs of each
  * position side by side), V [E, H, Pcap/2, D, 2] (position pairs of each dimension side by side), with
  * Pcap a multiple of 32 and V zero from the prefix's end to the next multiple of 32 (shared_prefix.py). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(X16)
 #define TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -623,40 +624,74 @@ static inline __attribute__((always_inline)) void to_bf16(const float *restrict 
     for (; i < n; i++) st(out, i, x[i], KV_BF16);
 }
 
+/* e^x for 16 lanes, inline: 2^n p(r) with n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts) and p the
+ * degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~1e-7, libm's order); x below -87 gives
+ * e^-87. A call to libmvec's expf made the compiler spill a softmax's running sum around it every 16 keys,
+ * and with the running maximum's loop that was a third of a prefill's attention on tiles (perf, one
+ * 2,048-token prompt). Only for the tile paths, whose probabilities are rounded to bf16 next. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The first n (<= 16, or more: all 16) lanes. */
+static inline __attribute__((always_inline)) __mmask16 lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
 /* One query row of a tile task: the prefix's scores si[poff, pl) as the tiles left them (unscaled), then its
  * own scores si[pl, pl + own) (scaled). The softmax over both: the own probabilities stay in si, the prefix's
- * go to pg as bf16, zero outside [poff, pl) up to P32 (what the second product reads). */
+ * go to pg as bf16, zero outside [poff, pl) up to P32 (what the second product reads). The maximum and the
+ * sum stay in registers, 16 keys at a time (a masked last block). */
 static inline __attribute__((always_inline)) void tile_softmax(float *restrict si, int64_t poff, int64_t pl,
                                                                int64_t own, float scale, uint16_t *restrict pg,
                                                                int64_t P32) {
-    float m = poff < pl ? si[poff] * scale : si[pl];
-#pragma omp simd reduction(max : m)
-    for (int64_t l = poff; l < pl; l++) m = si[l] * scale > m ? si[l] * scale : m;
-#pragma omp simd reduction(max : m)
-    for (int64_t l = pl; l < pl + own; l++) m = si[l] > m ? si[l] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = poff; l < pl; l++) {
-        si[l] = expf(si[l] * scale - m);
-        sum += si[l];
+    const __m512 sc = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
+    __m512 vm = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t l = poff; l < pl; l += 16) {
+        const __mmask16 k = lanes(pl - l);
+        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), sc));
     }
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = pl; l < pl + own; l++) {
-        si[l] = expf(si[l] - m);
-        sum += si[l];
+    for (int64_t l = pl; l < pl + own; l += 16) {
+        const __mmask16 k = lanes(pl + own - l);
+        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_maskz_loadu_ps(k, si + l));
     }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t l = pl; l < pl + own; l++) si[l] *= inv;
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t l = poff; l < pl; l += 16) {
+        const __mmask16 k = lanes(pl - l);
+        const __m512 e = exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, si + l), sc, m));
+        _mm512_mask_storeu_ps(si + l, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    for (int64_t l = pl; l < pl + own; l += 16) {
+        const __mmask16 k = lanes(pl + own - l);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, si + l), m));
+        _mm512_mask_storeu_ps(si + l, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    const __m512 inv = _mm512_div_ps(one, _mm512_set1_ps(_mm512_reduce_add_ps(sum)));
+    for (int64_t l = pl; l < pl + own; l += 16) {
+        const __mmask16 k = lanes(pl + own - l);
+        _mm512_mask_storeu_ps(si + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), inv));
+    }
     for (int64_t l = 0; l < poff; l++) pg[l] = 0;
-    int64_t l = poff;
-#ifdef __AVX512BF16__
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (; l + 16 <= pl; l += 16)
-        _mm256_storeu_si256((__m256i *)(pg + l), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(si + l), vinv)));
-#endif
-    for (; l < pl; l++) st(pg, l, si[l] * inv, KV_BF16);
-    for (l = pl; l < P32; l++) pg[l] = 0;
+    for (int64_t l = poff; l < pl; l += 16) {
+        const __mmask16 k = lanes(pl - l);
+        _mm256_mask_storeu_epi16(pg + l, k, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), inv)));
+    }
+    for (int64_t l = pl; l < P32; l++) pg[l] = 0;
 }
 
 /* C[16, 16 n] (float32, ldc floats) = sum over `steps` of A[16, 32] (bf16, lda elements; a step 32 on)
