@@ -336,29 +336,32 @@ def test_bf16_prefill_of_fresh_prompts_attends_in_bf16_and_agrees_with_the_c_ker
 
     if not cpu_linear.supported(torch.bfloat16):
         pytest.skip("no oneDNN bf16 linear in this torch")
-    r = ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=512, max_running_requests=4)
+    r = ModelRunner(model_dir, device="cpu", dtype="bfloat16", max_total_tokens=512, max_running_requests=8)
     if r.native is None:
         pytest.skip("no C compiler: bf16 KV needs the C kernels")
     backend = r.attn_backend
     g = torch.Generator().manual_seed(0)
-    for lens in ([21], [9, 21]):
-        seqs = [Seq(r, list(range(1, 1 + n))) for n in lens]
-        backend.init_forward_metadata(make_batch(seqs, ForwardMode.EXTEND, lens))
-        md = backend.metadata
-        t = sum(lens)
-        if backend.tiles:
-            assert md.prefill_spans is None  # the tile kernel
-        else:
-            assert md.prefill_spans == [(0, 21)] if len(lens) == 1 else [(0, 9), (9, 30)]
-        q = torch.randn(t, backend.num_heads, backend.head_dim, generator=g)
-        k, v = (torch.randn(t, backend.num_kv_heads, backend.head_dim, generator=g) for _ in range(2))
-        got = backend.forward(q, k, v, layer_id=0)  # writes the pool, then attends in bf16
-        tiles, backend.tiles = backend.tiles, False
-        want = backend._extend_native(q, 0, md)     # the C kernel over the pool's bf16 keys, float32 math
-        backend.tiles = tiles
-        assert got.dtype == torch.float32 and got.shape == want.shape == (t, backend.num_heads * backend.head_dim)
-        err = float((got - want).abs().max())
-        assert 1e-6 < err < 0.05, err  # bf16 queries and weights: close, and not the float32 path itself
+    on_tiles = backend.tiles
+    for tiles in [False, True] if on_tiles else [False]:  # SDPA as on a CPU without AMX, then the tiles
+        for lens in ([21], [9, 21]):
+            backend.tiles = tiles
+            seqs = [Seq(r, list(range(1, 1 + n))) for n in lens]
+            backend.init_forward_metadata(make_batch(seqs, ForwardMode.EXTEND, lens))
+            md = backend.metadata
+            t = sum(lens)
+            if tiles:
+                assert md.prefill_spans is None  # the tile kernel
+            else:
+                assert md.prefill_spans == ([(0, 21)] if len(lens) == 1 else [(0, 9), (9, 30)])
+            q = torch.randn(t, backend.num_heads, backend.head_dim, generator=g)
+            k, v = (torch.randn(t, backend.num_kv_heads, backend.head_dim, generator=g) for _ in range(2))
+            got = backend.forward(q, k, v, layer_id=0)  # writes the pool, then attends in bf16
+            backend.tiles = False
+            want = backend._extend_native(q, 0, md)     # the C kernel over the pool's bf16 keys, float32 math
+            assert got.dtype == torch.float32 and got.shape == want.shape == (t, backend.num_heads * backend.head_dim)
+            err = float((got - want).abs().max())
+            assert 1e-6 < err < 0.05, (tiles, lens, err)  # bf16 queries and weights: close, not float32 itself
+    backend.tiles = on_tiles
     # A prefill after a cached prefix reads the pool: the C kernel.
     seqs[0].ids += [100, 101, 102, 103]
     backend.init_forward_metadata(make_batch(seqs[:1], ForwardMode.EXTEND, [4]))

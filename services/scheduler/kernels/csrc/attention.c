@@ -689,7 +689,8 @@ static inline __attribute__((always_inline)) void tile_softmax(float *restrict s
     for (int64_t l = 0; l < poff; l++) pg[l] = 0;
     for (int64_t l = poff; l < pl; l += 16) {
         const __mmask16 k = lanes(pl - l);
-        _mm256_mask_storeu_epi16(pg + l, k, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), inv)));
+        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), inv);
+        _mm256_mask_storeu_epi16(pg + l, k, (__m256i)_mm512_cvtneps_pbh(p));
     }
     for (int64_t l = pl; l < P32; l++) pg[l] = 0;
 }
