@@ -6,7 +6,9 @@ re-sends full state). A connect counts once the detokenizer's empty first respon
 (`ringserve.reconnect.handshake`; without it, try again, so a call stuck in a broken channel cannot
 hold the stream down forever). On every (re)connect the stream is marked usable only when the engine
 thread sends the resync batch (`on_connect` asks for it), so no delta without its params reaches a fresh
-detokenizer ahead of the resync.
+detokenizer ahead of the resync. Each batch carries the stream it was handed over for: one the engine thread
+queued just as that stream ended (its put lands on the loop after the stream's queue was cleared) is dropped
+by the next stream, not written there ahead of the resync.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class DetokenizerPusher:
         self._slots = threading.Semaphore(QUEUE_BATCHES)  # bounds the queue across threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open = False     # the stream is up (set on the loop)
+        self._stream = 0       # which stream is (or was last) up: batches are queued with it
         self.live = False      # batches are accepted (set by the engine thread with the resync batch)
         self._stopping = False
         self.batches_sent = 0
@@ -52,9 +55,10 @@ class DetokenizerPusher:
         if resync and self._open:
             self.live = True
         while self.live and self._open:
+            stream = self._stream
             if self._slots.acquire(timeout=0.5):
                 assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, batch)
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, (stream, batch))
                 return True
         return False
 
@@ -71,6 +75,7 @@ class DetokenizerPusher:
                     await call.write(detokenizer_pb2.PushRequest(scheduler_id=self.scheduler_id))
                     if not await handshake(call):
                         raise ConnectionError("no handshake from the detokenizer on the push stream")
+                    self._stream += 1
                     self._open = True
                     backoff = BACKOFF_START_S
                     log.info("push stream to detokenizer %s open", self.target)
@@ -105,13 +110,15 @@ class DetokenizerPusher:
                     get.cancel()
                     reader.result()  # raises the stream's error
                     raise ConnectionError("the detokenizer closed the push stream")
-                batch = get.result()
-                if batch is not None:
-                    self._slots.release()
-                if batch is None:  # flush_and_stop() sentinel: half-close, let the peer finish reading
+                item = get.result()
+                if item is None:  # flush_and_stop() sentinel: half-close, let the peer finish reading
                     await call.done_writing()
                     await asyncio.wait({reader}, timeout=2.0)
                     return
+                self._slots.release()
+                stream, batch = item
+                if stream != self._stream:  # handed over for a stream that has ended since
+                    continue
                 await call.write(detokenizer_pb2.PushRequest(batch=batch))
                 self.batches_sent += 1
         finally:
