@@ -614,13 +614,11 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* out[0..n) = x[0..n) rounded to bf16 (nearest even, as `st`), 16 at a time where the CPU has AVX512-BF16. */
+/* out[0..n) = x[0..n) rounded to bf16 (nearest even, as `st`), 16 at a time (TILES implies AVX512-BF16). */
 static inline __attribute__((always_inline)) void to_bf16(const float *restrict x, uint16_t *restrict out, int64_t n) {
     int64_t i = 0;
-#ifdef __AVX512BF16__
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-#endif
     for (; i < n; i++) st(out, i, x[i], KV_BF16);
 }
 
