@@ -537,6 +537,53 @@ def test_extend_on_tiles_matches_the_float32_kernel(kernel, threads: int, heads:
         torch.testing.assert_close(got, want, rtol=0.0, atol=3e-2)
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["rows", "tiles"])
+def test_extend_reads_queries_at_their_row_stride(kernel, threads: int, tiles: bool) -> None:
+    """q as the model hands it over, a view of the rotated q/k rows ([T, Hq + Hkv, D], keys after the
+    queries): the same result as from a contiguous copy."""
+    dtype = torch.bfloat16 if tiles else torch.float32
+    heads, group, dim = 3, 3, 64
+    if tiles and not kernel.tiles_for(dtype, dim):
+        pytest.skip("no AMX-BF16 tiles on this CPU")
+    torch.manual_seed(5)
+    lens, prefix = [300, 7, 40], [0, 20, 3]
+    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
+    kt, v = torch.randn(len(lens), heads, dim, l_cap), torch.randn(len(lens), heads, l_cap, dim)
+    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
+    pool_k, pool_v = pool_k.to(dtype), pool_v.to(dtype)
+    qk = torch.randn(sum(lens), heads * group + heads, dim)
+    q = qk[:, : heads * group].reshape(sum(lens), heads, group, dim)  # rows (Hq + Hkv) * D floats apart
+    assert not q.is_contiguous()
+    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, tiles=tiles)
+    want = kernel.extend_attention(q.contiguous(), pool_k, pool_v, layout, dim ** -0.5, tiles=tiles)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.KV_DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [5, 200], ids=["few", "many"])  # one thread, or split over them
+def test_store_kv_writes_the_pools_bits(kernel, threads: int, dtype: torch.dtype, tokens: int) -> None:
+    """The new tokens' K/V (views of the qkv rows, as the model hands them over) into their pool slots:
+    the same bits as TokenToKVPool.set_kv_buffer (saturated fp8, nearest-even bf16), other slots untouched."""
+    from services.scheduler.kvcache.memory_pool import TokenToKVPool
+
+    torch.manual_seed(tokens)
+    heads, dim = 3, 64
+    pools = [TokenToKVPool(400, 1, heads, dim, dtype, torch.device("cpu")) for _ in range(2)]
+    for pool in pools:  # the same junk in both, so untouched slots compare equal too
+        for buf in (pool.k_buffer[0], pool.v_buffer[0]):
+            bits(buf).copy_(bits(to_kv(torch.full(buf.shape, 3.0), dtype)))
+    qkv = torch.randn(tokens, 5 * heads, dim) * 300  # past fp8's range: the saturation is checked too
+    qkv[0, 3 * heads, :4] = torch.tensor([float("inf"), -float("inf"), 1e-9, -0.0])
+    k, v = qkv[:, 3 * heads: 4 * heads], qkv[:, 4 * heads:]
+    loc = torch.randperm(400)[:tokens] + 1
+    pools[0].set_kv_buffer(0, loc, k, v)
+    kernel.store_kv(pools[1].k_buffer[0], pools[1].v_buffer[0], loc, k, v)
+    for a, b in ((pools[0].k_buffer[0], pools[1].k_buffer[0]), (pools[0].v_buffer[0], pools[1].v_buffer[0])):
+        assert torch.equal(bits(a), bits(b))
+
+
 @pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
 def test_fill_rows_copies_narrow_slots_bit_for_bit(kernel, threads: int, dtype: torch.dtype) -> None:
     torch.manual_seed(11)

@@ -206,12 +206,21 @@ class TorchSDPABackend:
         md = self.metadata
         if md.layout is not None:  # a decode step on the C kernels: pool and dense rows written in one pass
             return self._decode_native(q, k, v, layer_id, md, write_pool=True)
-        self.kv_pool.set_kv_buffer(layer_id, md.out_cache_loc, k, v)
+        self._store(layer_id, md.out_cache_loc, k, v)
         if md.parts is not None:
             ext_md, dec_md, t = md.parts
             return torch.cat([self._attend(q[:t], k[:t], v[:t], layer_id, ext_md),
                               self._attend(q[t:], k[t:], v[t:], layer_id, dec_md)])
         return self._attend(q, k, v, layer_id, md)
+
+    def _store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's new K/V into the pool: with the C kernels one parallel pass (k and v as views of
+        the qkv rows), else the pool's own conversion and index_copy_."""
+        if self.native is not None and k.dtype == torch.float32:
+            kb, vb = self.kv_pool.get_kv_buffer(layer_id)
+            self.native.store_kv(kb, vb, loc, k, v)
+        else:
+            self.kv_pool.set_kv_buffer(layer_id, loc, k, v)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 md: SDPAMetadata) -> torch.Tensor:
@@ -325,8 +334,8 @@ class TorchSDPABackend:
         t = q.shape[0]
         kb, vb = self.kv_pool.get_kv_buffer(layer_id)
         scale = self.scaling if self.scaling is not None else self.head_dim ** -0.5
-        q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim)
-        out = self.native.extend_attention(q_groups.contiguous(), kb, vb, md.extend_layout, scale,
+        q_groups = q.reshape(t, self.num_kv_heads, self.group, self.head_dim)  # a view: the kernel takes q's row stride
+        out = self.native.extend_attention(q_groups, kb, vb, md.extend_layout, scale,
                                            window=self.windows[layer_id], tiles=self.tiles)  # [T, Hkv, G, D]
         return out.view(t, -1)  # [T, Hq * D]
 

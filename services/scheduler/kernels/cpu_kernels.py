@@ -176,8 +176,10 @@ class NativeKernels:
                                                                          _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
                                                                          _P, ctypes.c_int])
         self._extend = self._fn(lib.extend_attention_f32, ctypes.c_int,
-                                [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int, _I,
+                                [_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int, _I,
                                  ctypes.c_int])
+        self._store_kv = self._fn(lib.store_kv_f32, ctypes.c_int, [_P, _I, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int,
+                                                                   ctypes.c_int])
         self._fill = self._fn(lib.fill_rows_f32, None, [_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, ctypes.c_int,
                                                         ctypes.c_int])
         self._rope = self._fn(lib.rope_f32, None, [_P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int])
@@ -302,26 +304,44 @@ class NativeKernels:
     def extend_attention(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, layout: ExtendLayout,
                          scale: float, window: int | None = None, tiles: bool = False) -> torch.Tensor:
         """Causal attention of new tokens after cached ones, keys read from the KV pool. q: [T, H, G, D]
-        float32 contiguous; pool_k, pool_v: [S, H, D] contiguous, one of KV_DTYPES (S >= layout.pool_size). Token
+        float32, each token's heads contiguous, tokens at any stride (a view of the qkv rows); pool_k,
+        pool_v: [S, H, D] contiguous, one of KV_DTYPES (S >= layout.pool_size). Token
         i of request b sees keys [0, prefix[b] + i], with a sliding window only the last `window` of
         them. Returns [T, H, G, D]. tiles: on AMX tiles (bf16 products: attention.c's extend_tile_task),
         where `tiles_for` says the CPU and the pool allow it."""
         t, h, g, d = q.shape
-        assert q.dtype == torch.float32 and q.is_contiguous() and t == layout.tokens
+        assert q.dtype == torch.float32 and t == layout.tokens
+        assert q.stride()[1:] == (g * d, d, 1), "each token's query heads contiguous"
         for buf in (pool_k, pool_v):
             assert buf.dtype == pool_k.dtype and buf.is_contiguous() and buf.device.type == "cpu"
             assert buf.shape[0] >= layout.pool_size and buf.shape[1:] == (h, d)
         b, l_cap = layout.slots.shape
-        out = torch.empty_like(q)
+        out = torch.empty((t, h, g, d), dtype=torch.float32)
         kind = _kv_kind(pool_k.dtype) | (KV_TILES if tiles else 0)
         threads = torch.get_num_threads()
         scratch = torch.empty(threads * self._extend_scratch(g, d, l_cap, kind), dtype=torch.float32)
-        if self._extend(q.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
+        if self._extend(q.data_ptr(), q.stride(0), pool_k.data_ptr(), pool_v.data_ptr(), layout.slots.data_ptr(),
                         layout.q_start.data_ptr(), layout.prefix.data_ptr(), out.data_ptr(), scratch.data_ptr(),
                         b, h, g, d, l_cap, scale, threads, window or 0, kind) != 0:
             raise ValueError(f"attention kernel: unsupported group {g} / head_dim {d} / window {window} "
                              f"(max {MAX_GROUP} / {MAX_HEAD_DIM})")
         return out
+
+    def store_kv(self, pool_k: torch.Tensor, pool_v: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """Write token t's k[t], v[t] ([T, H, D] float32, each token's heads contiguous, tokens at any
+        stride) into slot loc[t] of pool_k / pool_v ([S, H, D] contiguous, one of KV_DTYPES), converted
+        as memory_pool.to_kv converts (the same bits as TokenToKVPool.set_kv_buffer). loc: [T] int64,
+        each below S (the caller's slots)."""
+        t, h, d = k.shape
+        for x in (k, v):
+            assert x.dtype == torch.float32 and x.shape == (t, h, d) and x.stride()[1:] == (d, 1)
+        for buf in (pool_k, pool_v):
+            assert buf.dtype == pool_k.dtype and buf.is_contiguous() and buf.shape[1:] == (h, d)
+        assert loc.shape == (t,) and loc.dtype == torch.int64 and loc.is_contiguous()
+        if self._store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), loc.data_ptr(), pool_k.data_ptr(),
+                          pool_v.data_ptr(), t, h * d, _kv_kind(pool_k.dtype), torch.get_num_threads()) != 0:
+            raise ValueError(f"store_kv: unsupported KV dtype {pool_k.dtype}")
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [T, heads, D] in place (HF rotate-half over the first 2 * half dims of each head);

@@ -37,7 +37,8 @@
  *   max(0, p + 1 - window): the kernels offset their K^T / V pointers to that start (K^T rows keep
  *   their stride), which costs nothing and reads only the window. Requests run one (b, KV head) pair per task, so a request's K/V stay in
  *   cache while all its queries read them.
- *   q [T, H, G, D] (T = q_start[B]); pool_k, pool_v [S, H, D]; slots [B, Lcap]; out [T, H, G, D]
+ *   q: token t's [H, G, D] at q + t * q_stride (T = q_start[B] tokens); pool_k, pool_v [S, H, D]; slots
+ *   [B, Lcap]; out [T, H, G, D]
  * scratch: threads * G * (Pcap + Lcap) floats for decode, threads * (max(G, XQ) + 2 D) * Lcap for
  * extend.
  * kv (all three entry points): what the KV buffers (kt, v, pk, pv, pool_k, pool_v) hold, KV_F32 .. KV_E5M2
@@ -478,15 +479,15 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
 }
 
 /* QB consecutive new tokens of one (request, KV head) at once, so each key loaded feeds QB * G query
- * rows instead of G: row r = i * G + g is token i's query head g (q and out rows `step` floats apart
- * between tokens), and token i sees keys [lo_i, n0 + i) with lo_i = max(0, n0 + i - window) (window 0:
+ * rows instead of G: row r = i * G + g is token i's query head g (q rows `step`, out rows `ostep` floats
+ * apart between tokens), and token i sees keys [lo_i, n0 + i) with lo_i = max(0, n0 + i - window) (window 0:
  * lo_i = 0). Each row's scores, softmax and weighted sum are what `head` computes for it alone; the
  * keys of the block's span outside a row's own get weight 0. s: QB * G rows of S floats. */
 static inline __attribute__((always_inline)) void block(const float *restrict q0, int64_t step,
                                                          const float *restrict kb, const float *restrict vb,
                                                          int64_t n0, int64_t window, int64_t Lcap,
-                                                         float *restrict o0, float *restrict s, int64_t S,
-                                                         float scale, const int64_t QB, const int64_t G,
+                                                         float *restrict o0, int64_t ostep, float *restrict s,
+                                                         int64_t S, float scale, const int64_t QB, const int64_t G,
                                                          const int64_t D) {
     const int64_t R = QB * G, n = n0 + QB - 1;
     const int64_t base = window > 0 && n0 > window ? n0 - window : 0; /* the first token's first key */
@@ -506,7 +507,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
         for (int64_t d = 0; d < D; d++) acc[r][d] = 0.0f;
     weigh(acc, s, S, vb, base, n - base, R, D, NULL, 0);
     for (int64_t i = 0; i < QB; i++)
-        for (int64_t j = 0; j < G * D; j++) o0[i * step + j] = acc[i * G + j / D][j % D];
+        for (int64_t j = 0; j < G * D; j++) o0[i * ostep + j] = acc[i * G + j / D][j % D];
 }
 
 /* One (G, D) specialization per common shape, so `head` unrolls; BODY(GC, DC) is the parallel loop. */
@@ -546,6 +547,36 @@ static inline __attribute__((always_inline)) void put(const float *restrict kn, 
             st(pv_slot, d, vn[d], KV);
         }
     }
+}
+
+/* Token t's new key and value (HD floats each at kn + t * kn_stride, vn + t * vn_stride) into slot loc[t] of
+ * pool_k / pool_v ([S, H, D] of `kv`), stored as `put` stores them (bf16: nearest even; fp8: saturated). A
+ * prefill's store: torch's dtype conversion and then index_copy_ were two passes, the second on one thread
+ * (~14 ms of a 2,048-token prefill of SmolLM2-135M, 30 layers). */
+#define STORE_ROWS(KV)                                                                                 \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (T >= 64)")                     \
+    for (int64_t t = 0; t < T; t++) {                                                                  \
+        void *pk = KV_AT(pool_k, loc[t] * HD, KV), *pv = KV_AT(pool_v, loc[t] * HD, KV);               \
+        const float *k = kn + t * kn_stride, *v = vn + t * vn_stride;                                  \
+        _Pragma("omp simd") for (int64_t i = 0; i < HD; i++) {                                         \
+            st(pk, i, k[i], KV);                                                                       \
+            st(pv, i, v[i], KV);                                                                       \
+        }                                                                                              \
+    }
+
+int store_kv_f32(const float *kn, int64_t kn_stride, const float *vn, int64_t vn_stride, const int64_t *loc,
+                 void *pool_k, void *pool_v, int64_t T, int64_t HD, int kv, int threads) {
+    if (kv == KV_F32)
+        STORE_ROWS(KV_F32)
+    else if (kv == KV_BF16)
+        STORE_ROWS(KV_BF16)
+    else if (kv == KV_E4M3)
+        STORE_ROWS(KV_E4M3)
+    else if (kv == KV_E5M2)
+        STORE_ROWS(KV_E5M2)
+    else
+        return -1;
+    return 0;
 }
 
 /* Request b's keys live in dense row r: plen[r] from shared prefix entry entry[r] (pk/pv: [E, H, D, Pcap] /
@@ -990,7 +1021,7 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
 #define EXTEND_ROWS(GC, DC)                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")                             \
     for (int64_t bh = 0; bh < B * H; bh++) {                                                           \
-        const int64_t b = bh / H, h = bh % H, QB = (GC) >= XQ ? 1 : XQ / (GC), step = H * (GC) * (DC);  \
+        const int64_t b = bh / H, h = bh % H, QB = (GC) >= XQ ? 1 : XQ / (GC), ostep = H * (GC) * (DC); \
         const int64_t n_new = q_start[b + 1] - q_start[b];                                             \
         if (n_new == 0) continue;                                                                      \
         float *s = scratch + (int64_t)omp_get_thread_num() * (((GC) > XQ ? (GC) : XQ) + 2 * (DC)) * Lcap; \
@@ -1009,12 +1040,13 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
         int64_t t = q_start[b];                                                                        \
         if (QB > 1)                                                                                    \
             for (; t + QB <= q_start[b + 1]; t += QB)                                                  \
-                block(q + (t * H + h) * (GC) * (DC), step, kb, vb, prefix[b] + (t - q_start[b]) + 1 - g0, \
-                      window, Lcap, out + (t * H + h) * (GC) * (DC), s, Lcap, scale, QB, (GC), (DC));   \
+                block(q + t * q_stride + h * (GC) * (DC), q_stride, kb, vb,                            \
+                      prefix[b] + (t - q_start[b]) + 1 - g0, window, Lcap, out + (t * H + h) * (GC) * (DC), \
+                      ostep, s, Lcap, scale, QB, (GC), (DC));                                          \
         for (; t < q_start[b + 1]; t++) {                                                              \
             const int64_t n = prefix[b] + (t - q_start[b]) + 1 - g0;                                   \
             const int64_t lo = window > 0 && n > window ? n - window : 0;                              \
-            head(q + (t * H + h) * (GC) * (DC), kb, vb, 0, 0, 0, kb, vb, lo, n - lo, Lcap,             \
+            head(q + t * q_stride + h * (GC) * (DC), kb, vb, 0, 0, 0, kb, vb, lo, n - lo, Lcap,        \
                  out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL, KV_F32, KV_F32); \
         }                                                                                              \
     }
@@ -1028,8 +1060,8 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
  * side. Keys before the tile's first row's window are skipped a multiple of 32 at a time. ws: extend_scratch
  * floats. */
 static inline __attribute__((always_inline)) void extend_tile_task(
-    const float *restrict q, const void *pool_k, const void *pool_v, const int64_t *slots, int64_t t0,
-    int64_t n_new, int64_t pre, int64_t H, int64_t h, int64_t m_lo, int64_t m_hi, float *out, float *ws,
+    const float *restrict q, int64_t q_stride, const void *pool_k, const void *pool_v, const int64_t *slots,
+    int64_t t0, int64_t n_new, int64_t pre, int64_t H, int64_t h, int64_t m_lo, int64_t m_hi, float *out, float *ws,
     int64_t Lcap, float scale, int64_t window, const int64_t G, const int64_t D, const int SKV) {
     const int64_t g0 = window > 0 && pre + 1 > window ? pre + 1 - window : 0; /* as EXTEND_ROWS */
     const int64_t R = m_hi < n_new * G ? m_hi : n_new * G; /* query rows [m_lo, R): tokens i = row / G */
@@ -1063,7 +1095,7 @@ static inline __attribute__((always_inline)) void extend_tile_task(
         for (int64_t r = 0; r < 16; r++) {
             const int64_t i = (m0 + r) / G, g = (m0 + r) % G;
             if (r < mr)
-                to_bf16(q + ((t0 + i) * H + h) * G * D + g * D, qb + r * D, D);
+                to_bf16(q + (t0 + i) * q_stride + (h * G + g) * D, qb + r * D, D);
             else
                 for (int64_t d = 0; d < D; d++) qb[r * D + d] = 0;
         }
@@ -1111,14 +1143,14 @@ static inline int64_t extend_cut(int64_t R, int64_t part, int64_t parts) {
         if (m_lo >= m_hi) continue;                                                                    \
         float *ws = scratch + (int64_t)omp_get_thread_num() * per_thread;                              \
         if (kv == KV_BF16)                                                                             \
-            extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
-                             m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_BF16);           \
+            extend_tile_task(q, q_stride, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], \
+                             H, bh % H, m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_BF16); \
         else if (kv == KV_E4M3)                                                                        \
-            extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
-                             m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_E4M3);           \
+            extend_tile_task(q, q_stride, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], \
+                             H, bh % H, m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_E4M3); \
         else                                                                                           \
-            extend_tile_task(q, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], H, bh % H, \
-                             m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_E5M2);           \
+            extend_tile_task(q, q_stride, pool_k, pool_v, slots + b * Lcap, q_start[b], n_new, prefix[b], \
+                             H, bh % H, m_lo, m_hi, out, ws, Lcap, scale, window, (GC), (DC), KV_E5M2); \
     }
 #endif
 
@@ -1129,10 +1161,10 @@ int64_t extend_scratch(int64_t G, int64_t D, int64_t Lcap, int kv) {
     return D * Lp + 16 * (Lp + 64) + 8 * Lp + 24 * D;
 }
 
-int extend_attention_f32(const float *q, const void *pool_k, const void *pool_v, const int64_t *slots,
-                         const int64_t *q_start, const int64_t *prefix, float *out, float *scratch, int64_t B,
-                         int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale, int threads,
-                         int64_t window, int kv) {
+int extend_attention_f32(const float *q, int64_t q_stride, const void *pool_k, const void *pool_v,
+                         const int64_t *slots, const int64_t *q_start, const int64_t *prefix, float *out,
+                         float *scratch, int64_t B, int64_t H, int64_t G, int64_t D, int64_t Lcap, float scale,
+                         int threads, int64_t window, int kv) {
     const int tiles = kv & KV_TILES;
     kv = KV_KIND(kv);
     if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
