@@ -571,7 +571,7 @@ def test_store_kv_writes_the_pools_bits(kernel, threads: int, dtype: torch.dtype
     torch.manual_seed(tokens)
     heads, dim = 3, 64
     pools = [TokenToKVPool(400, 1, heads, dim, dtype, torch.device("cpu")) for _ in range(2)]
-    for pool in pools:  # the same junk in both, so untouched slots compare equal too
+    for pool in pools:  # the same filler in both, so untouched slots compare equal too
         for buf in (pool.k_buffer[0], pool.v_buffer[0]):
             bits(buf).copy_(bits(to_kv(torch.full(buf.shape, 3.0), dtype)))
     qkv = torch.randn(tokens, 5 * heads, dim) * 300  # past fp8's range: the saturation is checked too

@@ -679,6 +679,28 @@ static inline __attribute__((always_inline)) __mmask16 lanes(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
 }
 
+/* The running maximum vm over si[lo, hi) times sc, 16 keys at a time (a masked last block). */
+static inline __attribute__((always_inline)) __m512 scores_max(const float *restrict si, int64_t lo, int64_t hi,
+                                                               __m512 sc, __m512 vm) {
+    for (int64_t l = lo; l < hi; l += 16) {
+        const __mmask16 k = lanes(hi - l);
+        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), sc));
+    }
+    return vm;
+}
+
+/* si[l] = e^(si[l] sc - m) over [lo, hi), added into the running sum, which it returns. */
+static inline __attribute__((always_inline)) __m512 scores_exp(float *restrict si, int64_t lo, int64_t hi, __m512 sc,
+                                                               __m512 m, __m512 sum) {
+    for (int64_t l = lo; l < hi; l += 16) {
+        const __mmask16 k = lanes(hi - l);
+        const __m512 e = exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, si + l), sc, m));
+        _mm512_mask_storeu_ps(si + l, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    return sum;
+}
+
 /* One query row of a tile task: the prefix's scores si[poff, pl) as the tiles left them (unscaled), then its
  * own scores si[pl, pl + own) (scaled). The softmax over both: the own probabilities stay in si, the prefix's
  * go to pg as bf16, zero outside [poff, pl) up to P32 (what the second product reads). The maximum and the
@@ -686,30 +708,11 @@ static inline __attribute__((always_inline)) __mmask16 lanes(int64_t n) {
 static inline __attribute__((always_inline)) void tile_softmax(float *restrict si, int64_t poff, int64_t pl,
                                                                int64_t own, float scale, uint16_t *restrict pg,
                                                                int64_t P32) {
+    /* the own scores are scaled already: a scale of 1 (x * 1 and x * 1 - m are exactly x and x - m) */
     const __m512 sc = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
-    __m512 vm = _mm512_set1_ps(-FLT_MAX);
-    for (int64_t l = poff; l < pl; l += 16) {
-        const __mmask16 k = lanes(pl - l);
-        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), sc));
-    }
-    for (int64_t l = pl; l < pl + own; l += 16) {
-        const __mmask16 k = lanes(pl + own - l);
-        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_maskz_loadu_ps(k, si + l));
-    }
+    const __m512 vm = scores_max(si, pl, pl + own, one, scores_max(si, poff, pl, sc, _mm512_set1_ps(-FLT_MAX)));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t l = poff; l < pl; l += 16) {
-        const __mmask16 k = lanes(pl - l);
-        const __m512 e = exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, si + l), sc, m));
-        _mm512_mask_storeu_ps(si + l, k, e);
-        sum = _mm512_mask_add_ps(sum, k, sum, e);
-    }
-    for (int64_t l = pl; l < pl + own; l += 16) {
-        const __mmask16 k = lanes(pl + own - l);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, si + l), m));
-        _mm512_mask_storeu_ps(si + l, k, e);
-        sum = _mm512_mask_add_ps(sum, k, sum, e);
-    }
+    const __m512 sum = scores_exp(si, pl, pl + own, one, m, scores_exp(si, poff, pl, sc, m, _mm512_setzero_ps()));
     const __m512 inv = _mm512_div_ps(one, _mm512_set1_ps(_mm512_reduce_add_ps(sum)));
     for (int64_t l = pl; l < pl + own; l += 16) {
         const __mmask16 k = lanes(pl + own - l);

@@ -232,7 +232,8 @@ int linear_tiles(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16
                 }
                 for (int64_t kb = 0; kb < KB; kb++) {
                     if (m0 == 0 && (kb + 1 < KB || np + 1 < NP)) { /* the next kb's two tiles, into L2 */
-                        const char *p0 = kb + 1 < KB ? (const char *)(b0 + (kb + 1) * 512) : (const char *)(b1 + KB * 512);
+                        const char *p0 = kb + 1 < KB ? (const char *)(b0 + (kb + 1) * 512)
+                                                     : (const char *)(b1 + KB * 512);
                         const char *p1 = p0 + KB * 1024;
                         for (int l = 0; l < 1024; l += 64) {
                             _mm_prefetch(p0 + l, _MM_HINT_T1);
