@@ -10,10 +10,11 @@ import asyncio
 import inspect
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -21,9 +22,22 @@ from ringserve import tls as tls_mod
 from ringserve.errors import ErrorInterceptor
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run a service's main coroutine to completion on uvloop.
+
+    Every message a service handles costs a few event-loop callbacks (gRPC's completion queue
+    wakes the loop, a stream's read and write resume their tasks); uvloop runs them in C where
+    asyncio's own loop runs them in Python. Measured with `python -m bench.ring_cpu` (two
+    alternating pairs): tokenizer 17.2/18.2 -> 16.5/17.2 and detokenizer 12.8/13.7 -> 11.7/12.5
+    CPU us per streamed token. The gateway gets the same loop from uvicorn.
+    """
+    return uvloop.run(main)
+
 
 # Keepalive on both ends so a dead peer is noticed in seconds, not at the next TCP timeout.
 SERVER_OPTIONS = [

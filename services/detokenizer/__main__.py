@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
+from ringserve import grpc_server
 from ringserve.config import parse_config
 from ringserve.logs import setup_logging
 from ringserve.model_source import exit_on_model_error, require_files, resolve_model
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         path = require_files(resolve_model(cfg.model, prepare=False), cfg.model, "tokenizer.json")
     cfg = replace(cfg, model=str(path))
     setup_logging("detokenizer")
-    asyncio.run(serve(cfg))
+    grpc_server.run(serve(cfg))
     return 0
 
 

@@ -20,11 +20,11 @@ out tok/s with it). A value in the environment is kept: GOMP_SPINCOUNT itself, o
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from dataclasses import replace
 
+from ringserve import grpc_server
 from ringserve.config import parse_config
 from ringserve.logs import setup_logging
 from services.scheduler.config import SchedulerServerConfig
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("scheduler")
     configure_malloc()
     try:
-        return asyncio.run(SchedulerServer(replace(cfg, model=str(path))).serve())
+        return grpc_server.run(SchedulerServer(replace(cfg, model=str(path))).serve())
     except MemoryBudgetError as e:  # the configuration cannot fit: one line, before an OOM kill could come
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

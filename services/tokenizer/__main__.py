@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
+from ringserve import grpc_server
 from ringserve.logs import setup_logging
 from ringserve.model_source import exit_on_model_error, require_files, resolve_model
 
@@ -21,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_model_error():  # a model that cannot be served: one line, before anything starts
         require_files(resolve_model(cfg.model, prepare=False), cfg.model, "tokenizer.json")
     setup_logging("tokenizer", cfg.log_level)
-    asyncio.run(run(cfg))
+    grpc_server.run(run(cfg))
 
 
 if __name__ == "__main__":
