@@ -27,6 +27,7 @@ T = TypeVar("T")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Run a service's main coroutine to completion on uvloop.
 
