@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.scheduler.kernels import cpu_kernels
+from services.scheduler.kernels.cpu_kernels import blocked_kt, kt_positions
 from services.scheduler.kvcache.memory_pool import FP8_MAX, to_kv
 from services.scheduler.models.rotary import RotaryEmbedding
 
@@ -47,7 +48,7 @@ def threads(request: pytest.FixtureRequest):
                                              (8, 1, 16), (2, 5, 48)])
 def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int, group: int, dim: int) -> None:
     torch.manual_seed(heads * 100 + group * 10 + dim)
-    b_cap, l_cap, b = 8, 96, 5
+    b_cap, l_cap, b = 8, 128, 5
     kt = torch.randn(b_cap, heads, dim, l_cap)
     v = torch.randn(b_cap, heads, l_cap, dim)
     q = torch.randn(b, heads, group, dim)
@@ -56,7 +57,7 @@ def test_matches_torch_attention_on_ragged_rows(kernel, threads: int, heads: int
     v[:b, :, 70:] = float("nan")
     kt[1, :, :, 70:] = torch.randn(heads, dim, l_cap - 70)
     v[1, :, 70:] = torch.randn(heads, l_cap - 70, dim)
-    got = kernel.decode_attention(q, kt, v, cpu_kernels.decode_layout(lens, l_cap), dim ** -0.5)
+    got = kernel.decode_attention(q, blocked_kt(kt), v, cpu_kernels.decode_layout(lens, l_cap), dim ** -0.5)
     want = reference(q, kt, v, lens, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -70,7 +71,7 @@ def test_decode_reads_each_request_from_its_dense_row(kernel, threads: int) -> N
     rows = torch.tensor([4, 0, 5, 2, 3, 1], dtype=torch.int64)      # request b -> dense row
     qkv = torch.randn(6, heads * group * dim + 100)                  # each request's q, then other columns
     q = qkv[:, :heads * group * dim].view(6, heads, group, dim)
-    got = kernel.decode_attention(q, kt, v, cpu_kernels.decode_layout(lens, l_cap, rows), dim ** -0.5)
+    got = kernel.decode_attention(q, blocked_kt(kt), v, cpu_kernels.decode_layout(lens, l_cap, rows), dim ** -0.5)
     want = reference(q.contiguous(), kt[rows], v[rows], lens[rows], dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -94,7 +95,7 @@ def test_decode_over_shared_prefixes_matches_whole_rows(kernel, threads: int, he
                                                         dim: int) -> None:
     """Rows whose first keys sit in a shared prefix buffer give what their whole rows give."""
     torch.manual_seed(7)
-    b, l_cap, p_cap = 5, 160, 130
+    b, l_cap, p_cap = 5, 192, 130
     lens = torch.tensor([150, 3, 129, 70, 100], dtype=torch.int64)
     entry = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int64)
     plen = torch.tensor([64, 0, 128, 64, 99], dtype=torch.int64)  # row 4 shares part of entry 0
@@ -111,8 +112,9 @@ def test_decode_over_shared_prefixes_matches_whole_rows(kernel, threads: int, he
     shared_kt[:, :, :, 128:] = float("nan")
     q = torch.randn(b, heads, group, dim)
     layout = cpu_kernels.decode_layout(lens, l_cap, entry=entry, plen=plen, p_cap=p_cap, entries=2)
-    got = kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (shared_kt, shared_v))
-    want = kernel.decode_attention(q, whole_kt, whole_v, cpu_kernels.decode_layout(lens, l_cap), dim ** -0.5)
+    got = kernel.decode_attention(q, blocked_kt(kt), v, layout, dim ** -0.5, (shared_kt, shared_v))
+    want = kernel.decode_attention(q, blocked_kt(whole_kt), whole_v, cpu_kernels.decode_layout(lens, l_cap),
+                                   dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, reference(q, whole_kt, whole_v, lens, dim ** -0.5), rtol=1e-5, atol=1e-5)
 
@@ -181,7 +183,7 @@ def test_shared_prefixes_on_tiles_match_the_plain_layout(kernel, threads: int, h
     from services.scheduler.attention.shared_prefix import tiled_k, tiled_v
 
     torch.manual_seed(dim + window)
-    b, l_cap, p_cap, e = 45, 48, 160, 3
+    b, l_cap, p_cap, e = 45, 64, 160, 3
     lens_p = [99 if r % 3 == 0 else 128 if r % 3 == 1 else 0 for r in range(b)]  # entry 0: 99, 1: 128
     plen = torch.tensor(lens_p, dtype=torch.int64)
     plen[4] = 64  # shares the first 64 of entry 1's 128
@@ -189,7 +191,7 @@ def test_shared_prefixes_on_tiles_match_the_plain_layout(kernel, threads: int, h
     lens = plen + torch.randint(1, l_cap, (b,))
     bf = torch.bfloat16
     pk, pv = torch.randn(e, heads, dim, p_cap).to(bf), torch.randn(e, heads, p_cap, dim).to(bf)
-    kt, v = torch.randn(b, heads, dim, l_cap).to(bf), torch.randn(b, heads, l_cap, dim).to(bf)
+    kt, v = blocked_kt(torch.randn(b, heads, dim, l_cap).to(bf)), torch.randn(b, heads, l_cap, dim).to(bf)
     tk, tv = torch.empty_like(pk), torch.empty_like(pv)  # the same prefixes in the tile layout
     tiled_k(tk).copy_(pk.view(e, heads, dim // 2, 2, p_cap).transpose(3, 4))
     tiled_v(tv).copy_(pv.view(e, heads, p_cap // 2, 2, dim).transpose(3, 4))
@@ -234,7 +236,7 @@ def test_decode_with_a_window_reads_only_its_last_keys(kernel, threads: int, hea
     shared_v[:, :, :min(window_lo, 30)] = float("nan")
     q = torch.randn(b, heads, group, dim)
     layout = cpu_kernels.decode_layout(lens, l_cap, entry=entry, plen=plen, p_cap=p_cap, entries=1)
-    got = kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (shared_kt, shared_v), window=window)
+    got = kernel.decode_attention(q, blocked_kt(kt), v, layout, dim ** -0.5, (shared_kt, shared_v), window=window)
     want = torch.empty_like(q)
     for r in range(b):
         lo, n = max(0, int(lens[r]) - window), int(lens[r])
@@ -337,8 +339,8 @@ def test_layout_refuses_what_the_buffers_cannot_hold() -> None:
 
 
 def test_refuses_queries_whose_heads_are_not_contiguous(kernel) -> None:
-    kt, v = torch.zeros(2, 2, 32, 8), torch.zeros(2, 2, 8, 32)
-    layout = cpu_kernels.decode_layout(torch.tensor([3, 4]), 8)
+    kt, v = torch.zeros(2, 2, 32, 64), torch.zeros(2, 2, 64, 32)
+    layout = cpu_kernels.decode_layout(torch.tensor([3, 4]), 64)
     q = torch.zeros(2, 32, 1, 2).permute(0, 3, 2, 1)  # [B, H, G, D] with D strided
     with pytest.raises(AssertionError):
         kernel.decode_attention(q, kt, v, layout, 1.0)
@@ -350,22 +352,23 @@ def test_decode_writes_the_new_kv_into_pool_slots_and_dense_rows(kernel, threads
     """What index_copy_ into the pool and the dense cache's advanced-index put would write, and the
     attention over rows that hold the new key (the store and the read are one pass)."""
     torch.manual_seed(5)
-    b, heads, group, dim, l_cap = 3, 4, 2, 32, 24
+    b, heads, group, dim, l_cap = 3, 4, 2, 32, 64
     qkv = torch.randn(b, (group + 2) * heads * dim)  # strided views into one output, as in a layer
     q = qkv[:, :group * heads * dim].view(b, heads, group, dim)
     k = qkv[:, group * heads * dim:(group + 1) * heads * dim].view(b, heads, dim)
     v = qkv[:, (group + 1) * heads * dim:].view(b, heads, dim)
     pool_k, pool_v = torch.zeros(10, heads, dim), torch.zeros(10, heads, dim)
     kt_buf, v_buf = torch.randn(5, heads, dim, l_cap), torch.randn(5, heads, l_cap, dim)
-    rows, new_pos, loc = torch.tensor([3, 0, 4]), torch.tensor([7, 0, 23]), torch.tensor([9, 2, 5])
-    lens = torch.tensor([1, 1, 1, 8, 24])
-    want_kt, want_v = kt_buf.clone(), v_buf.clone()
+    rows, new_pos, loc = torch.tensor([3, 0, 4]), torch.tensor([7, 0, 63]), torch.tensor([9, 2, 5])
+    lens = torch.tensor([1, 1, 1, 8, 64])
+    want_kt, want_v = kt_buf.clone(), v_buf.clone()  # K^T in position order
+    kt_buf = blocked_kt(kt_buf)
     want_kt[rows, :, :, new_pos] = k
     want_v[rows, :, new_pos] = v
     layout = cpu_kernels.decode_layout(lens, l_cap, rows, new_pos, loc, 10)
     got = kernel.decode_attention(q, kt_buf, v_buf, layout, dim ** -0.5, new_kv=(k, v),
                                   pool=(pool_k, pool_v) if with_pool else None)
-    assert torch.equal(kt_buf, want_kt) and torch.equal(v_buf, want_v)
+    assert torch.equal(kt_positions(kt_buf), want_kt) and torch.equal(v_buf, want_v)
     want_pool_k, want_pool_v = torch.zeros_like(pool_k), torch.zeros_like(pool_v)
     if with_pool:
         want_pool_k.index_copy_(0, loc, k)
@@ -382,9 +385,9 @@ def test_fill_rows_copies_pool_slots_into_dense_rows(kernel, threads: int, heads
     """What the torch fill (index_select, then a permuted copy per request) writes; the rest untouched."""
     torch.manual_seed(heads * dim)
     pool_k, pool_v = torch.randn(50, heads, dim), torch.randn(50, heads, dim)
-    kt_buf, v_buf = torch.randn(6, heads, dim, 40), torch.randn(6, heads, 40, dim)
-    want_kt, want_v = kt_buf.clone(), v_buf.clone()
-    joins = [(4, torch.randperm(50)[:37]), (0, torch.tensor([3])), (2, torch.randperm(50)[:40]),
+    kt_buf, v_buf = torch.randn(6, heads, dim, 128), torch.randn(6, heads, 128, dim)
+    want_kt, want_v = kt_positions(kt_buf), v_buf.clone()
+    joins = [(4, torch.randperm(50)[:37]), (0, torch.tensor([3])), (2, torch.randperm(50)[:50]),
              (5, torch.tensor([], dtype=torch.int64))]
     for row, slots in joins:
         want_kt[row, :, :, :len(slots)] = pool_k[slots].permute(1, 2, 0)
@@ -392,12 +395,12 @@ def test_fill_rows_copies_pool_slots_into_dense_rows(kernel, threads: int, heads
     start = torch.tensor([0] + list(itertools.accumulate(len(s) for _, s in joins)))
     kernel.fill_rows((pool_k, pool_v), torch.cat([s for _, s in joins]), start,
                      torch.tensor([r for r, _ in joins]), kt_buf, v_buf)
-    assert torch.equal(kt_buf, want_kt) and torch.equal(v_buf, want_v)
+    assert torch.equal(kt_positions(kt_buf), want_kt) and torch.equal(v_buf, want_v)
     with pytest.raises(AssertionError):  # a slot past the pool
         kernel.fill_rows((pool_k, pool_v), torch.tensor([50]), torch.tensor([0, 1]), torch.tensor([0]),
                          kt_buf, v_buf)
     with pytest.raises(AssertionError):  # more keys than a row holds
-        kernel.fill_rows((pool_k, pool_v), torch.zeros(41, dtype=torch.int64), torch.tensor([0, 41]),
+        kernel.fill_rows((pool_k, pool_v), torch.zeros(129, dtype=torch.int64), torch.tensor([0, 129]),
                          torch.tensor([0]), kt_buf, v_buf)
 
 
@@ -451,12 +454,13 @@ def test_decode_over_narrow_kv_is_the_float32_kernel_on_the_rounded_keys(kernel,
     the group), fp8 ones likewise 16 a load, the float32 ones the portable loops: these shapes cover
     both block widths and the fallbacks (group 12; fp8 values over 5 x 16 accumulators)."""
     torch.manual_seed(heads * 100 + group * 10 + dim + window)
-    b, l_cap, p_cap, slots = 4, 80, 48, 30
+    b, l_cap, p_cap, slots = 4, 128, 48, 30
     lens = torch.tensor([70, 3, 45, 60], dtype=torch.int64)
     entry = torch.tensor([0, -1, 0, 1], dtype=torch.int64)
     plen = torch.tensor([40, 0, 40, 17], dtype=torch.int64)
     rows, new_pos, loc = torch.tensor([2, 0, 3, 1]), torch.tensor([2, 29, 19, 42]), torch.tensor([9, 2, 5, 29])
     kt, kt32 = widened(torch.randn(b, heads, dim, l_cap), dtype)
+    kt, kt32 = blocked_kt(kt), blocked_kt(kt32)
     v, v32 = widened(torch.randn(b, heads, l_cap, dim), dtype)
     # the prefix copies hold the same values in prefix_dtype (bf16 for fp8)
     pk, pk32 = widened(torch.randn(2, heads, dim, p_cap), dtype)
@@ -470,7 +474,7 @@ def test_decode_over_narrow_kv_is_the_float32_kernel_on_the_rounded_keys(kernel,
     got = kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk, pv), window=window or None,
                                   new_kv=(k_new, v_new), pool=(pool_k, pool_v))
     k_half, v_half = to_kv(k_new, dtype), to_kv(v_new, dtype)
-    assert torch.equal(bits(kt[rows, :, :, new_pos]), bits(k_half))
+    assert torch.equal(bits(kt_positions(kt)[rows, :, :, new_pos]), bits(k_half))
     assert torch.equal(bits(v[rows, :, new_pos]), bits(v_half))
     assert torch.equal(bits(pool_k[loc]), bits(k_half)) and torch.equal(bits(pool_v[loc]), bits(v_half))
     want = kernel.decode_attention(q, kt32, v32, layout, dim ** -0.5, (pk32, pv32), window=window or None,
@@ -482,6 +486,32 @@ def test_decode_over_narrow_kv_is_the_float32_kernel_on_the_rounded_keys(kernel,
     if dtype != torch.bfloat16:
         with pytest.raises(AssertionError):
             kernel.decode_attention(q, kt, v, layout, dim ** -0.5, (pk.to(dtype), pv.to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *NARROW_KV], ids=str)
+@pytest.mark.parametrize("group", [1, 3, 12])
+@pytest.mark.parametrize("window", [0, 45, 101])
+def test_decode_reads_blocked_rows_across_block_ends(kernel, threads: int, dtype: torch.dtype, group: int,
+                                                     window: int) -> None:
+    """The rows' K^T in blocks of KT_BLOCK positions: rows that end inside a block, keys that run across
+    block ends and windows that start inside one (a vector of 32 or 16 keys then loads as two masked
+    halves), on every read path (float32's portable loops, bf16's and fp8's intrinsics, group 12's
+    portable ones), against attention over the same values in position order."""
+    torch.manual_seed(group * 1000 + window)
+    b, heads, dim, l_cap = 4, 2, 64, 192
+    lens = torch.tensor([191, 130, 65, 100], dtype=torch.int64)
+    kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
+    if dtype != torch.float32:
+        kt, v = to_kv(kt, dtype), to_kv(v, dtype)
+    kt32, v32 = kt.float(), v.float()
+    q = torch.randn(b, heads, group, dim)
+    got = kernel.decode_attention(q, blocked_kt(kt), v, cpu_kernels.decode_layout(lens, l_cap), dim ** -0.5,
+                                  window=window or None)
+    want = torch.empty_like(q)
+    for r, n in enumerate(lens.tolist()):
+        lo = max(0, n - window) if window else 0
+        want[r] = ((q[r] @ kt32[r, :, :, lo:n]) * dim ** -0.5).softmax(-1) @ v32[r, :, lo:n]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
@@ -590,10 +620,10 @@ def test_fill_rows_copies_narrow_slots_bit_for_bit(kernel, threads: int, dtype: 
     heads, dim = 2, 64
     pool_k, pool_v = to_kv(torch.randn(50, heads, dim), dtype), to_kv(torch.randn(50, heads, dim), dtype)
     bits(pool_k)[7, 0, 3] = bits(to_kv(torch.tensor([float("nan")]), dtype))[0]
-    kt_buf, v_buf = torch.zeros(3, heads, dim, 40, dtype=dtype), torch.zeros(3, heads, 40, dim, dtype=dtype)
+    kt_buf, v_buf = torch.zeros(3, heads, dim, 64, dtype=dtype), torch.zeros(3, heads, 64, dim, dtype=dtype)
     slots = torch.randperm(50)[:33]
     kernel.fill_rows((pool_k, pool_v), slots, torch.tensor([0, 33]), torch.tensor([1]), kt_buf, v_buf)
-    assert torch.equal(bits(kt_buf[1, :, :, :33]), bits(pool_k[slots].permute(1, 2, 0).contiguous()))
+    assert torch.equal(bits(kt_positions(kt_buf)[1, :, :, :33]), bits(pool_k[slots].permute(1, 2, 0).contiguous()))
     assert torch.equal(bits(v_buf[1, :, :33]), bits(pool_v[slots].transpose(0, 1).contiguous()))
     with pytest.raises(AssertionError):  # rows of another dtype than the pool
         kernel.fill_rows((pool_k, pool_v), slots, torch.tensor([0, 33]), torch.tensor([1]), kt_buf.float(),

@@ -97,10 +97,10 @@ def test_grows_to_just_what_fits_when_doubling_would_not(runner: ModelRunner) ->
     try:
         s = Seq(runner, list(range(10, 149)))  # 139 prompt tokens: the decode step holds 140
         runner.forward(make_batch([s], ForwardMode.EXTEND, [139]))
-        cache.max_bytes = 8 * (256 + 16) * row_bytes - 1  # doubling (8 rows x 256 positions) does not fit
+        cache.max_bytes = 8 * 256 * row_bytes - 1  # doubling (8 rows x 256 positions) does not fit
         decode(runner, [s], dense=True)
         assert runner.attn_backend.metadata.dense_rows is not None
-        assert cache.v[0].shape == (8, heads, 192 + 16, dim)  # 140 rounded up to 64 positions, + the pad
+        assert cache.v[0].shape == (8, heads, 192, dim)  # 140 rounded up to the C kernels' K^T blocks
     finally:
         cache.max_bytes = saved
         cache.reset()
@@ -213,11 +213,11 @@ def test_growing_for_rows_sizes_positions_for_this_batch(model_dir: str) -> None
     long = Seq(runner, torch.randint(0, 4000, (300,), generator=g).tolist())
     runner.forward(make_batch([long], ForwardMode.EXTEND, [300]))
     decode(runner, [long], dense=True)
-    assert cache.v[0].shape[0] == 8 and cache.v[0].shape[2] == 512 + 16
+    assert cache.v[0].shape[0] == 8 and cache.v[0].shape[2] == 512
     short = [Seq(runner, torch.randint(0, 4000, (20,), generator=g).tolist()) for _ in range(9)]
     runner.forward(make_batch(short, ForwardMode.EXTEND, [20] * 9))
     twins = [Seq(runner, s.ids) for s in short]
     runner.forward(make_batch(twins, ForwardMode.EXTEND, [20] * 9))
     dense = decode(runner, short, dense=True)
     torch.testing.assert_close(dense, decode(runner, twins, dense=False), atol=1e-5, rtol=1e-5)
-    assert cache.v[0].shape[0] == 16 and cache.v[0].shape[2] == 64 + 16
+    assert cache.v[0].shape[0] == 16 and cache.v[0].shape[2] == 64

@@ -32,7 +32,15 @@ from __future__ import annotations
 import torch
 
 from services.scheduler.attention.shared_prefix import MIN_SHARED, SharedPrefixes
-from services.scheduler.kernels.cpu_kernels import DecodeLayout, NativeKernels, decode_layout
+from services.scheduler.kernels.cpu_kernels import (
+    KT_BLOCK,
+    DecodeLayout,
+    NativeKernels,
+    blocked_kt,
+    decode_layout,
+    kt_blocks,
+    kt_positions,
+)
 from services.scheduler.kvcache.memory_pool import TokenToKVPool, doubled, rounded
 
 MIN_BUDGET = 1 << 30   # bytes the dense rows may take at least ...
@@ -82,7 +90,7 @@ class DenseDecodeCache:
         self.req_at: list[int] = []       # dense row -> req_pool_idx
         # K is kept transposed, so q @ K^T streams each row's keys position-contiguous (torch: 0.63
         # against 0.87 ms per layer at B=64, L=320 on one core; the C kernel vectorizes over positions).
-        self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]
+        self.k: list[torch.Tensor] = []   # per layer [B_cap, Hkv, D, L_cap]; blocked with the C kernels
         self.v: list[torch.Tensor] = []   # per layer [B_cap, Hkv, L_cap, D]
         self.native = native
         self.shared = (SharedPrefixes(kv_pool, num_layers, shared_budget(self.max_bytes), tiles) if native is not None
@@ -156,13 +164,17 @@ class DenseDecodeCache:
         # rows sizes the positions for this batch, not for an earlier one: every K^T row is touched
         # across its whole capacity when filled, so a capacity left by one long request (or a warm-up)
         # costs page faults on each request that joins.
-        used_l = l_cap - 16 if kv_len > l_cap else 0
+        # The C kernels' rows hold K^T in blocks of KT_BLOCK positions (cpu_kernels.kt_blocks), so their
+        # capacity is a multiple of it. The torch path's rows are position-major, +16 positions: K^T rows at
+        # a power-of-two stride (4 KiB at L=1024) alias in the L1 cache (measured: 1.4 against 1.17 ms per
+        # layer at L=600).
+        pad = 0 if self.native is not None else 16
+        used_l = l_cap - pad if kv_len > l_cap else 0
         doubling = (doubled(b_cap, batch_size, 8), doubled(used_l, kv_len, 64))
-        tight = (max(b_cap, rounded(batch_size, 8)), max(l_cap - 16, rounded(kv_len, 64)))  # l_cap has the +16
+        tight = (max(b_cap, rounded(batch_size, 8)), max(l_cap - pad, rounded(kv_len, 64)))
         for new_b, new_l in (doubling, tight):
-            # +16 positions: K^T rows at a power-of-two stride (4 KiB at L=1024) alias in the L1 cache
-            # (measured: 1.4 against 1.17 ms per layer at L=600).
-            new_l = min(new_l, max(self.max_context_len, kv_len)) + 16
+            new_l = min(new_l, max(self.max_context_len, kv_len))
+            new_l = rounded(new_l, KT_BLOCK) if self.native is not None else new_l + 16
             if new_b * new_l * pool.bytes_per_token <= self.max_bytes:
                 break
         else:
@@ -178,7 +190,11 @@ class DenseDecodeCache:
             k = new(new_b, heads, dim, new_l, dtype=pool.dtype, device=pool.device)
             v = new(new_b, heads, new_l, dim, dtype=pool.dtype, device=pool.device)
             if self.k and written:
-                k[:used, :, :, :written].copy_(self.k[layer][:used, :, :, :written])
+                if self.native is not None:  # the blocks that hold the written positions
+                    nb = -(-written // KT_BLOCK)
+                    kt_blocks(k)[:used, :, :nb].copy_(kt_blocks(self.k[layer])[:used, :, :nb])
+                else:
+                    k[:used, :, :, :written].copy_(self.k[layer][:used, :, :, :written])
                 v[:used, :, :written].copy_(self.v[layer][:used, :, :written])
             grown_k.append(k)
             grown_v.append(v)
@@ -254,8 +270,10 @@ class DenseDecodeCache:
                 if not torch.equal(self.req_to_token[idx, :p], slots):
                     continue
                 n = self.len_at[row] - p  # positions after the prefix written so far
-                for k, v in zip(self.k, self.v):
-                    k[row, :, :, :n].copy_(k[row, :, :, p:p + n].clone())  # overlapping: through a copy
+                for k, v in zip(self.k, self.v):  # the C kernels' rows: K^T blocked, moved in position order
+                    kt = kt_positions(k[row])
+                    kt[:, :, :n] = kt[:, :, p:p + n].clone()  # overlapping: through a copy
+                    k[row].copy_(blocked_kt(kt))
                     v[row, :, :n].copy_(v[row, :, p:p + n].clone())
                 shared.acquire(e)
                 self.entry_at[row], self.plen_at[row], self.len_at[row] = e, p, n

@@ -135,6 +135,38 @@ def extend_layout(slots: torch.Tensor, q_start: torch.Tensor, prefix: torch.Tens
     return ExtendLayout(slots, q_start, prefix, int(q_start[-1]), pool_size)
 
 
+KT_BLOCK = 64  # positions per block of the dense decode rows' K^T (csrc/attention.c, kt_at)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as integers of their width (fp8 has no pad or strided copy of its own)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def kt_blocks(kt: torch.Tensor) -> torch.Tensor:
+    """A dense-row K^T buffer [..., D, Lcap] as the C kernels fill it, viewed as its blocks
+    [..., Lcap / KT_BLOCK, D, KT_BLOCK]: dim d of position p at [p // KT_BLOCK, d, p % KT_BLOCK]."""
+    *lead, d, l_cap = kt.shape
+    return kt.view(*lead, l_cap // KT_BLOCK, d, KT_BLOCK)
+
+
+def kt_positions(kt: torch.Tensor) -> torch.Tensor:
+    """A blocked dense-row K^T buffer [..., D, Lcap] in position order (a copy): [..., D, Lcap]."""
+    *lead, d, l_cap = kt.shape
+    return kt_blocks(_bits(kt)).transpose(-3, -2).reshape(*lead, d, l_cap).view(kt.dtype)
+
+
+def blocked_kt(kt: torch.Tensor) -> torch.Tensor:
+    """K^T [..., D, L] in position order as the dense rows hold it (a copy), L padded to a multiple of
+    KT_BLOCK with zeros: [..., D, Lcap]."""
+    *lead, d, length = kt.shape
+    l_cap = -(-length // KT_BLOCK) * KT_BLOCK
+    out = kt.new_empty(*lead, d, l_cap)
+    padded = torch.nn.functional.pad(_bits(kt), (0, l_cap - length))
+    kt_blocks(_bits(out)).copy_(padded.view(*lead, d, l_cap // KT_BLOCK, KT_BLOCK).transpose(-3, -2))
+    return out
+
+
 def check_kv(kt_buf: torch.Tensor, v_buf: torch.Tensor, h: int, d: int, rows: int, l_cap: int,
              dtype: torch.dtype) -> None:
     for t in (kt_buf, v_buf):
@@ -222,7 +254,8 @@ class NativeKernels:
                          pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """window: the layer's sliding window (a row of n keys reads its last `window`); None: all.
         q: [B, H, G, D] float32 (each request's heads contiguous, requests at any stride); kt_buf: K^T
-        [Bcap, H, D, Lcap] and v_buf: [Bcap, H, Lcap, D], contiguous on CPU, one of KV_DTYPES (the KV
+        [Bcap, H, D, Lcap] in blocks of KT_BLOCK positions (kt_blocks; blocked_kt makes one) and v_buf:
+        [Bcap, H, Lcap, D], contiguous on CPU, one of KV_DTYPES (the KV
         dtype: the pool matches it, the prefixes are in its prefix_dtype); prefix: the shared
         prefixes' K^T [E, H, D, Pcap] and V [E, H, Pcap, D] when the layout has entries. new_kv: the
         step's new k, v ([B, H, D], each request's contiguous, any stride), first written at
@@ -233,6 +266,7 @@ class NativeKernels:
         assert b == len(layout.rows)
         kv_dtype = kt_buf.dtype
         check_kv(kt_buf, v_buf, h, d, len(layout.lens), layout.l_cap, kv_dtype)
+        assert layout.l_cap % KT_BLOCK == 0  # the rows' K^T in blocks (kt_blocks)
         ptrs: list[int | None] = [None] * 4
         if layout.entry is not None:
             assert prefix is not None and layout.plen is not None  # plen is set together with entry
@@ -296,6 +330,7 @@ class NativeKernels:
             return
         n = start[1:] - start[:-1]
         check_kv(kt_buf, v_buf, h, d, int(rows.max()) + 1, kt_buf.shape[3], pk.dtype)
+        assert kt_buf.shape[3] % KT_BLOCK == 0  # the rows' K^T in blocks (kt_blocks)
         assert int(n.min()) >= 0 and int(n.max()) <= kt_buf.shape[3] and int(rows.min()) >= 0
         assert len(slots) == 0 or (int(slots.min()) >= 0 and int(slots.max()) < s)
         self._fill(pk.data_ptr(), pv.data_ptr(), slots.data_ptr(), start.data_ptr(), rows.data_ptr(), j, h, d,

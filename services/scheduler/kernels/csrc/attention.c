@@ -5,8 +5,9 @@
  * through it at once (`block`).
  *
  * `head` takes one query token's G query heads (the group of one KV head), scores them against that
- * KV head's keys [0, len), softmaxes, and weights the values. K is stored transposed (K^T rows are
- * position-contiguous), so scores build up 64 positions at a time in registers with vector FMAs over d,
+ * KV head's keys [0, len), softmaxes, and weights the values. K is stored transposed (K^T: positions
+ * contiguous per d; in the dense decode rows, in blocks of KT_BLOCK positions, kt_at), so scores build up
+ * 64 positions at a time in registers with vector FMAs over d,
  * no horizontal sums; K and V are each read once per query (per block of queries in `block`), and only
  * up to `len` (padding past it is never touched). G and D are compile-time constants in the common shapes, so the accumulators stay in
  * registers. Plain C vectorized by the compiler (omp simd; -ffast-math lets expf vectorize through
@@ -24,7 +25,8 @@
  *   and V (96 KB at 384 keys of SmolLM2's heads in bf16) do not fit in L1 beside the ones being read,
  *   so prefetching them there evicted this task's lines; 30 layers x 64 rows x ~390 keys, bf16, 2
  *   threads (Xeon, AMX): 33-35 -> 30-31 ms, 10 % less at 100 and 1,000 keys and at 8 rows, 3 % in float32.
- *   q [B, H, G, D] with rows q_stride floats apart; kt [Bcap, H, D, Lcap]; v [Bcap, H, Lcap, D];
+ *   q [B, H, G, D] with rows q_stride floats apart; kt [Bcap, H] of D x Lcap in blocks (kt_at; Lcap a multiple
+ *   of KT_BLOCK); v [Bcap, H, Lcap, D];
  *   out [B, H, G, D]; pk [E, H, D, Pcap]; pv [E, H, Pcap, D] (in PREFIX_KV of the kind); lens, entry, plen [Bcap]
  *   kn, vn (or NULL): the step's new keys and values [B, H, D], rows kn_stride / vn_stride floats apart,
  *   written at new_pos[b] of each row first (and, pool_k not NULL, into pool slots loc[b] of the KV pool
@@ -154,6 +156,37 @@ static inline __attribute__((always_inline)) void st(void *restrict p, int64_t i
 /* The address of element i of a KV buffer. */
 #define KV_AT(p, i, KV) ((void *)((char *)(p) + (int64_t)(i) * KV_SIZE(KV)))
 
+/* The dense decode rows keep K^T in blocks of KT_BLOCK positions: dim d of position p at kt_at(d, p, D), so a
+ * block (all of d) is one contiguous run and a row's keys are one stream. Rows with K^T as [D][Lcap] read
+ * their keys at 16.5-18 GB/s on two threads of the development Xeon wherever a row was shorter than Lcap
+ * (the tail past its length broke the hardware prefetchers' streams; the cache grows Lcap by doubling), and
+ * at 25.5 only with Lcap equal to the length; blocked, at 25-30 whatever the length (SmolLM2's heads,
+ * bf16, 384 keys). Lcap is a multiple of KT_BLOCK. The shared-prefix copies and the extend tiles keep the
+ * [D][cap] layout (`blk` 0 where a function takes both). */
+#define KT_BLOCK 64
+static inline __attribute__((always_inline)) int64_t kt_at(int64_t d, int64_t p, int64_t D) {
+    return (p / KT_BLOCK) * KT_BLOCK * D + d * KT_BLOCK + p % KT_BLOCK;
+}
+
+/* One vector load of `width` (16 or 32) keys from position p of a K^T, the first `want` of them wanted: the
+ * lanes *ma at element *at of d = 0 (the others follow a d-stride apart); blocked (blk), the lanes past p's
+ * block come from the next block, lanes *mb at element *bt (*bt -1: none). */
+static inline __attribute__((always_inline)) void key_lanes(int64_t p, int64_t want, int64_t width, int64_t D,
+                                                            int blk, int64_t *at, int64_t *bt, uint32_t *ma,
+                                                            uint32_t *mb) {
+    const int64_t k = want < 0 ? 0 : want > width ? width : want, first = KT_BLOCK - p % KT_BLOCK;
+    *ma = k == 32 ? 0xffffffffu : (1u << k) - 1u;
+    *at = blk ? kt_at(0, p, D) : p;
+    *bt = -1;
+    *mb = 0;
+    if (blk && first < width) {
+        const uint32_t lo = (1u << first) - 1u;
+        *bt = kt_at(0, p + first, D) - first;
+        *mb = *ma & ~lo;
+        *ma &= lo;
+    }
+}
+
 /* The C side of the kinds' codecs, for the tests: fp8 codes [n] -> float32 values, and back. */
 void fp8_decode(const uint8_t *c, float *out, int64_t n, int kv) {
     for (int64_t i = 0; i < n; i++) out[i] = kv == KV_E4M3 ? fp8_value(c[i], KV_E4M3) : fp8_value(c[i], KV_E5M2);
@@ -184,31 +217,38 @@ static inline __attribute__((always_inline)) __m512 bf_odd(__m512i x) {
 #define X16_SCORES(G) ((G) <= 8)                          /* 2 * G or 4 * G accumulators of 32 */
 #define X16_WEIGH(G, D) ((D) % 32 == 0 && (G) * (D) <= 384) /* G * D / 16 accumulators, at most 24 */
 
-/* `scores` for bf16 K^T; a last block that would read past `cap` loads only its keys. */
+/* `scores` for bf16 K^T; a last block that would read past `cap` loads only its keys. blk: K^T in blocks
+ * (kt_at); 32 keys that cross a block's end load as two masked halves. */
 static inline __attribute__((always_inline)) void scores_x16(const float *restrict qb, const uint16_t *restrict kb,
                                                              int64_t off, int64_t n_keys, int64_t cap,
                                                              float *restrict s, int64_t S, float scale,
                                                              const int64_t G, const int64_t D,
-                                                             const uint16_t *restrict pf) {
-    const int64_t NV = G > 4 ? 1 : 2, W = 32 * NV;
+                                                             const uint16_t *restrict pf, const int blk) {
+    const int64_t NV = G > 4 ? 1 : 2, W = 32 * NV, step = blk ? KT_BLOCK : cap; /* between two d */
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
-        const int64_t left = off + l0 + W <= cap ? W : n_keys - l0; /* keys this block may load */
-        __mmask32 m[2];
+        /* vector v loads lanes ma[v] at kb + at[v] + d * step, and (bt[v] >= 0) lanes mb[v] at kb + bt[v] + .. */
+        int64_t at[2], bt[2];
+        __mmask32 ma[2], mb[2];
+        const int64_t left = blk || off + l0 + W <= cap ? W : n_keys - l0; /* keys this block may load */
         for (int64_t v = 0; v < NV; v++) {
-            const int64_t k = left - 32 * v < 0 ? 0 : left - 32 * v > 32 ? 32 : left - 32 * v;
-            m[v] = (__mmask32)(k == 32 ? 0xffffffffu : (1u << k) - 1u);
+            uint32_t a, b;
+            key_lanes(off + l0 + 32 * v, blk ? n_keys - l0 - 32 * v : left - 32 * v, 32, D, blk, &at[v], &bt[v],
+                      &a, &b);
+            ma[v] = (__mmask32)a, mb[v] = (__mmask32)b;
         }
         __m512 ae[8][2], ao[8][2];
         for (int64_t g = 0; g < G; g++)
             for (int64_t v = 0; v < NV; v++) ae[g][v] = ao[g][v] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
-            const uint16_t *row = kb + d * cap + off + l0;
-            if (pf)
-                for (int64_t c = 0; c < W; c += 32) __builtin_prefetch(pf + d * cap + off + l0 + c, 0, 2);
             __m512 e[2], o[2];
             for (int64_t v = 0; v < NV; v++) {
-                const __m512i r = _mm512_maskz_loadu_epi16(m[v], row + 32 * v);
+                if (pf) __builtin_prefetch(pf + at[v] + d * step, 0, 2);
+                __m512i r = _mm512_maskz_loadu_epi16(ma[v], kb + at[v] + d * step);
+                if (bt[v] >= 0) {
+                    if (pf) __builtin_prefetch(pf + bt[v] + 31 + d * step, 0, 2);
+                    r = _mm512_or_si512(r, _mm512_maskz_loadu_epi16(mb[v], kb + bt[v] + d * step));
+                }
                 e[v] = bf_even(r);
                 o[v] = bf_odd(r);
             }
@@ -290,29 +330,41 @@ static inline __attribute__((always_inline)) __m512 fp8x16(__m128i c, const int 
 #define X8_SCORES(G) ((G) <= 8)                           /* 4 * G or 2 * G accumulators of 16 */
 #define X8_WEIGH(G, D) ((D) % 16 == 0 && (G) * (D) <= 320) /* G * D / 16 accumulators, at most 20 */
 
-/* `scores` for fp8 K^T, 16 keys a load; a last block that would read past `cap` loads only its keys. */
+/* `scores` for fp8 K^T, 16 keys a load; a last block that would read past `cap` loads only its keys. blk: K^T
+ * in blocks (kt_at); 16 keys that cross a block's end load as two masked halves. */
 static inline __attribute__((always_inline)) void scores_x8(const float *restrict qb, const uint8_t *restrict kb,
                                                             int64_t off, int64_t n_keys, int64_t cap,
                                                             float *restrict s, int64_t S, float scale,
                                                             const int64_t G, const int64_t D,
-                                                            const uint8_t *restrict pf, const int KV) {
-    const int64_t NV = G > 4 ? 2 : 4, W = 16 * NV;
+                                                            const uint8_t *restrict pf, const int KV, const int blk) {
+    const int64_t NV = G > 4 ? 2 : 4, W = 16 * NV, step = blk ? KT_BLOCK : cap; /* between two d */
     const __m512 sc = _mm512_set1_ps(scale * FP8_UNIT(KV));
     for (int64_t l0 = 0; l0 < n_keys; l0 += W) {
-        const int64_t left = off + l0 + W <= cap ? W : n_keys - l0; /* keys this block may load */
-        __mmask16 m[4];
+        /* vector v loads lanes ma[v] at kb + at[v] + d * step, and (bt[v] >= 0) lanes mb[v] at kb + bt[v] + .. */
+        int64_t at[4], bt[4];
+        __mmask16 ma[4], mb[4];
+        const int64_t left = blk || off + l0 + W <= cap ? W : n_keys - l0; /* keys this block may load */
         for (int64_t v = 0; v < NV; v++) {
-            const int64_t k = left - 16 * v < 0 ? 0 : left - 16 * v > 16 ? 16 : left - 16 * v;
-            m[v] = (__mmask16)((1u << k) - 1u);
+            uint32_t a, b;
+            key_lanes(off + l0 + 16 * v, blk ? n_keys - l0 - 16 * v : left - 16 * v, 16, D, blk, &at[v], &bt[v],
+                      &a, &b);
+            ma[v] = (__mmask16)a, mb[v] = (__mmask16)b;
         }
         __m512 a[8][4];
         for (int64_t g = 0; g < G; g++)
             for (int64_t v = 0; v < NV; v++) a[g][v] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
-            const uint8_t *row = kb + d * cap + off + l0;
-            if (pf) __builtin_prefetch(pf + d * cap + off + l0, 0, 2); /* W <= 64 keys: one line */
+            if (pf) /* W <= 64 keys: one line, two where they cross a block */
+                for (int64_t v = 0; v < NV; v += blk ? 1 : NV) {
+                    __builtin_prefetch(pf + at[v] + d * step, 0, 2);
+                    if (bt[v] >= 0) __builtin_prefetch(pf + bt[v] + 15 + d * step, 0, 2);
+                }
             __m512 k[4];
-            for (int64_t v = 0; v < NV; v++) k[v] = fp8x16(_mm_maskz_loadu_epi8(m[v], row + 16 * v), KV);
+            for (int64_t v = 0; v < NV; v++) {
+                __m128i c = _mm_maskz_loadu_epi8(ma[v], kb + at[v] + d * step);
+                if (bt[v] >= 0) c = _mm_or_si128(c, _mm_maskz_loadu_epi8(mb[v], kb + bt[v] + d * step));
+                k[v] = fp8x16(c, KV);
+            }
             for (int64_t g = 0; g < G; g++) {
                 const __m512 qd = _mm512_set1_ps(qb[g * D + d]);
                 for (int64_t v = 0; v < NV; v++) a[g][v] = _mm512_fmadd_ps(qd, k[v], a[g][v]);
@@ -361,17 +413,17 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
                                                           int64_t off, int64_t n_keys, int64_t cap,
                                                           float *restrict s, int64_t S, float scale,
                                                           const int64_t G, const int64_t D,
-                                                          const void *restrict pf, const int KV) {
+                                                          const void *restrict pf, const int KV, const int blk) {
     const int64_t W = G > 4 ? BL / 2 : BL, line = 64 / KV_SIZE(KV); /* elements per 64-byte cache line */
 #ifdef X16
     if (KV == KV_BF16 && X16_SCORES(G)) {
-        scores_x16(qb, kb, off, n_keys, cap, s, S, scale, G, D, pf);
+        scores_x16(qb, kb, off, n_keys, cap, s, S, scale, G, D, pf, blk);
         return;
     }
 #endif
 #ifdef X8
     if ((KV == KV_E4M3 || KV == KV_E5M2) && X8_SCORES(G)) {
-        scores_x8(qb, kb, off, n_keys, cap, s, S, scale, G, D, pf, KV);
+        scores_x8(qb, kb, off, n_keys, cap, s, S, scale, G, D, pf, KV, blk);
         return;
     }
 #endif
@@ -379,9 +431,10 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
         float acc[GMAX][BL];
         for (int64_t g = 0; g < G; g++)
             for (int64_t i = 0; i < W; i++) acc[g][i] = 0.0f;
-        if (off + l0 + W <= cap) { /* full-width loads stay inside the buffer (past n_keys: ignored) */
+        /* full-width loads stay inside the buffer (past n_keys: ignored); blocked, inside one block */
+        if (blk ? (off + l0) % KT_BLOCK + W <= KT_BLOCK : off + l0 + W <= cap) {
             for (int64_t d = 0; d < D; d++) {
-                const int64_t at = d * cap + off + l0;
+                const int64_t at = blk ? kt_at(d, off + l0, D) : d * cap + off + l0;
                 if (pf)
                     for (int64_t c = 0; c < W; c += line) __builtin_prefetch(KV_AT(pf, at + c, KV), 0, 2);
                 for (int64_t g = 0; g < G; g++) {
@@ -391,12 +444,12 @@ static inline __attribute__((always_inline)) void scores(const float *restrict q
                 }
             }
         } else {
-            const int64_t n = n_keys - l0;
-            for (int64_t d = 0; d < D; d++) {
-                const int64_t at = d * cap + off + l0;
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t i = 0; i < n; i++) acc[g][i] += qb[g * D + d] * ld(kb, at + i, KV);
-            }
+            const int64_t n = n_keys - l0 < W ? n_keys - l0 : W;
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t i = 0; i < n; i++) {
+                    const float k = ld(kb, blk ? kt_at(d, off + l0 + i, D) : d * cap + off + l0 + i, KV);
+                    for (int64_t g = 0; g < G; g++) acc[g][i] += qb[g * D + d] * k;
+                }
         }
         const int64_t n = n_keys - l0 < W ? n_keys - l0 : W;
         for (int64_t g = 0; g < G; g++)
@@ -463,10 +516,10 @@ static inline __attribute__((always_inline)) void head(const float *restrict qb,
                                                         float *restrict s, int64_t S, float scale,
                                                         const int64_t G, const int64_t D,
                                                         const void *restrict nk, const void *restrict nv,
-                                                        const int PKV, const int KV) {
+                                                        const int PKV, const int KV, const int blk) {
     const int64_t total = plen + len;
-    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL, PKV);
-    scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk, KV);
+    if (plen > 0) scores(qb, pk, poff, plen, pcap, s, S, scale, G, D, NULL, PKV, 0);
+    scores(qb, kb, off, len, Lcap, s + plen, S, scale, G, D, nk, KV, blk);
     for (int64_t g = 0; g < G; g++) softmax(s + g * S, total);
     /* out[g] = sum_l p[g][l] V[l] */
     float acc[GMAX][DMAX];
@@ -494,7 +547,7 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
     float qb[GMAX * DMAX];
     for (int64_t i = 0; i < QB; i++)
         for (int64_t j = 0; j < G * D; j++) qb[i * G * D + j] = q0[i * step + j];
-    scores(qb, kb, base, n - base, Lcap, s, S, scale, R, D, NULL, 0); /* s[.. l - base] for key l */
+    scores(qb, kb, base, n - base, Lcap, s, S, scale, R, D, NULL, 0, 0); /* s[.. l - base] for key l */
     for (int64_t r = 0; r < R; r++) {
         const int64_t own = n0 + r / G, lo = window > 0 && own > window ? own - window : 0;
         float *sr = s + r * S; /* sr[l - base]: key l */
@@ -529,15 +582,15 @@ static inline __attribute__((always_inline)) void block(const float *restrict q0
     } else { BODY(G, D) }
 
 /* A decode step's new key and value of one (request, KV head), kn / vn (D floats each), written at
- * position p of its dense row (kt: that row's K^T [D][Lcap]; vt: its V [Lcap][D]) and, pk_slot not NULL,
+ * position p of its dense row (kt: that row's K^T, blocked: kt_at; vt: its V [Lcap][D]) and, pk_slot not NULL,
  * into its KV pool slot (pk_slot / pv_slot: D floats each). Done by the task that attends over the row
  * right after: a separate pass touched each row's D K^T lines while they were cold (one cache miss per
  * float written, ~150 us a layer at 64 requests), where here they are the lines `scores` reads next. */
 static inline __attribute__((always_inline)) void put(const float *restrict kn, const float *restrict vn,
                                                        void *restrict kt, void *restrict vt, int64_t p,
-                                                       int64_t Lcap, void *restrict pk_slot,
-                                                       void *restrict pv_slot, const int64_t D, const int KV) {
-    for (int64_t d = 0; d < D; d++) st(kt, d * Lcap + p, kn[d], KV);
+                                                       void *restrict pk_slot, void *restrict pv_slot,
+                                                       const int64_t D, const int KV) {
+    for (int64_t d = 0; d < D; d++) st(kt, kt_at(d, p, D), kn[d], KV);
 #pragma omp simd
     for (int64_t d = 0; d < D; d++) st(vt, p * D + d, vn[d], KV);
     if (pk_slot) {
@@ -590,7 +643,7 @@ int store_kv_f32(const float *kn, int64_t kn_stride, const float *vn, int64_t vn
         if (kn)                                                                                        \
             put(kn + b * kn_stride + h * (DC), vn + b * vn_stride + h * (DC),                          \
                 KV_AT(kt, (r * H + h) * (DC) * Lcap, KV), KV_AT(v, (r * H + h) * Lcap * (DC), KV),     \
-                new_pos[b], Lcap, pool_k ? KV_AT(pool_k, (loc[b] * H + h) * (DC), KV) : NULL,          \
+                new_pos[b], pool_k ? KV_AT(pool_k, (loc[b] * H + h) * (DC), KV) : NULL,                \
                 pool_k ? KV_AT(pool_v, (loc[b] * H + h) * (DC), KV) : NULL, (DC), KV);                 \
         const int64_t pl = entry ? plen[r] : 0;                                                        \
         const int64_t e = pl > 0 ? entry[r] : 0;                                                       \
@@ -605,7 +658,7 @@ int store_kv_f32(const float *kn, int64_t kn_stride, const float *vn, int64_t vn
              lens[r] - pl - off, Lcap, out + (b * H + h) * (GC) * (DC), s, Pcap + Lcap, scale, (GC),    \
              (DC),                                                                                     \
              nb < B * H ? KV_AT(kt, (nr * H + nh) * (DC) * Lcap, KV) : NULL,                            \
-             nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), KV) : NULL, PREFIX_KV(KV), KV);         \
+             nb < B * H ? KV_AT(v, (nr * H + nh) * Lcap * (DC), KV) : NULL, PREFIX_KV(KV), KV, 1);      \
     }
 #define DECODE_F32(GC, DC) DECODE_ROWS(GC, DC, KV_F32)
 #define DECODE_BF16(GC, DC) DECODE_ROWS(GC, DC, KV_BF16)
@@ -805,7 +858,7 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
         const int64_t b = order[i0 + i], r = rows[b];
         if (kn)
             put(kn + b * kn_stride + h * D, vn + b * vn_stride + h * D, KV_AT(kt, (r * H + h) * D * Lcap, KV),
-                KV_AT(v, (r * H + h) * Lcap * D, KV), new_pos[b], Lcap,
+                KV_AT(v, (r * H + h) * Lcap * D, KV), new_pos[b],
                 pool_k ? KV_AT(pool_k, (loc[b] * H + h) * D, KV) : NULL,
                 pool_k ? KV_AT(pool_v, (loc[b] * H + h) * D, KV) : NULL, D, KV);
         to_bf16(q + b * q_stride + h * G * D, qb + i * G * D, G * D);
@@ -822,7 +875,7 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
         /* the next request's own K^T on its way from memory meanwhile, as `head` does */
         const void *nk = i + 1 < n ? KV_AT(kt, (rows[order[i0 + i + 1]] * H + h) * D * Lcap, KV) : NULL;
         scores(q + b * q_stride + h * G * D, KV_AT(kt, (r * H + h) * D * Lcap, KV), off, own, Lcap, si + pl, SS,
-               scale, G, D, nk, KV);
+               scale, G, D, nk, KV, 1);
         for (int64_t g = 0; g < G; g++)
             tile_softmax(si + g * SS, poff, pl, own, scale, pb + (i * G + g) * P32, P32);
     }
@@ -893,7 +946,8 @@ int decode_attention_f32(const float *q, int64_t q_stride, void *kt, void *v, co
                          const int64_t *new_pos, void *pool_k, void *pool_v, const int64_t *loc, int kv) {
     const int tiles = kv & KV_TILES;
     kv = KV_KIND(kv);
-    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2)
+    if (G < 1 || G > GMAX || D < 1 || D > DMAX || threads < 1 || window < 0 || kv < KV_F32 || kv > KV_E5M2 ||
+        Lcap % KT_BLOCK)
         return -1;
     if (!entry) Pcap = 0;
     if (tiles && entry && order) {
@@ -961,7 +1015,7 @@ static inline __attribute__((always_inline)) void gather(const void *restrict po
                                                           const int64_t *restrict slots, int64_t n, int64_t h,
                                                           int64_t H, void *restrict kt, void *restrict vt,
                                                           int64_t Lcap, const int64_t D, const int SKV,
-                                                          const int DKV) {
+                                                          const int DKV, const int blk) {
     const int raw = SKV == DKV, size = KV_SIZE(SKV), fp8 = SKV == KV_E4M3 || SKV == KV_E5M2;
     float rows[GATHER_L][DMAX]; /* fp8 K: the block's rows widened first (a vector pass), then transposed */
     for (int64_t l0 = 0; l0 < n; l0 += GATHER_L) {
@@ -969,11 +1023,13 @@ static inline __attribute__((always_inline)) void gather(const void *restrict po
         if (fp8 && !raw) {
             for (int64_t i = 0; i < m; i++) widen(KV_AT(pool_k, (slots[l0 + i] * H + h) * D, SKV), rows[i], D, SKV);
             for (int64_t d = 0; d < D; d++)
-                for (int64_t i = 0; i < m; i++) st(kt, d * Lcap + l0 + i, rows[i][d], DKV);
+                for (int64_t i = 0; i < m; i++)
+                    st(kt, blk ? kt_at(d, l0 + i, D) : d * Lcap + l0 + i, rows[i][d], DKV);
         } else {
             for (int64_t d = 0; d < D; d++)
                 for (int64_t i = 0; i < m; i++) {
-                    const int64_t from = (slots[l0 + i] * H + h) * D + d, to = d * Lcap + l0 + i;
+                    const int64_t from = (slots[l0 + i] * H + h) * D + d;
+                    const int64_t to = blk ? kt_at(d, l0 + i, D) : d * Lcap + l0 + i;
                     if (raw)
                         __builtin_memcpy(KV_AT(kt, to, DKV), KV_AT(pool_k, from, SKV), size);
                     else
@@ -996,7 +1052,8 @@ static inline __attribute__((always_inline)) void gather(const void *restrict po
 
 /* The dense decode rows' fill (decode_cache.py), one layer: J requests joining the decode batch, request
  * j's first start[j + 1] - start[j] keys, from the pool slots slots[start[j] ..), into dense row rows[j]
- * from position 0 (kt [Bcap, H, D, Lcap], v [Bcap, H, Lcap, D]), by `gather`, one request per task.
+ * from position 0 (kt [Bcap, H] of D x Lcap blocked as kt_at, v [Bcap, H, Lcap, D]), by `gather`, one request
+ * per task.
  * torch took an index_select and a permuted copy per (request, layer, K or V). */
 void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots, const int64_t *start,
                    const int64_t *rows, int64_t J, int64_t H, int64_t D, void *kt, void *v, int64_t Lcap,
@@ -1008,11 +1065,11 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
             void *kr = KV_AT(kt, (r * H + h) * D * Lcap, kv), *vr = KV_AT(v, (r * H + h) * Lcap * D, kv);
             const int64_t *sl = slots + start[j], n = start[j + 1] - start[j];
             if (kv == KV_BF16)
-                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_BF16, KV_BF16);
+                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_BF16, KV_BF16, 1);
             else if (kv == KV_F32)
-                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_F32, KV_F32);
+                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_F32, KV_F32, 1);
             else /* either fp8: a byte copy */
-                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_E4M3, KV_E4M3);
+                gather(pool_k, pool_v, sl, n, h, H, kr, vr, Lcap, D, KV_E4M3, KV_E4M3, 1);
         }
     }
 }
@@ -1033,13 +1090,13 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
         const int64_t g0 = window > 0 && prefix[b] + 1 > window ? prefix[b] + 1 - window : 0;          \
         const int64_t *sl = slots + b * Lcap + g0, nk = prefix[b] + n_new - g0;                       \
         if (kv == KV_BF16)                                                                             \
-            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_BF16, KV_F32);                 \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_BF16, KV_F32, 0);              \
         else if (kv == KV_E4M3)                                                                        \
-            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_E4M3, KV_F32);                 \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_E4M3, KV_F32, 0);              \
         else if (kv == KV_E5M2)                                                                        \
-            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_E5M2, KV_F32);                 \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_E5M2, KV_F32, 0);              \
         else                                                                                           \
-            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_F32, KV_F32);                  \
+            gather(pool_k, pool_v, sl, nk, h, H, kb, vb, Lcap, (DC), KV_F32, KV_F32, 0);               \
         int64_t t = q_start[b];                                                                        \
         if (QB > 1)                                                                                    \
             for (; t + QB <= q_start[b + 1]; t += QB)                                                  \
@@ -1050,7 +1107,7 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
             const int64_t n = prefix[b] + (t - q_start[b]) + 1 - g0;                                   \
             const int64_t lo = window > 0 && n > window ? n - window : 0;                              \
             head(q + t * q_stride + h * (GC) * (DC), kb, vb, 0, 0, 0, kb, vb, lo, n - lo, Lcap,        \
-                 out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL, KV_F32, KV_F32); \
+                 out + (t * H + h) * (GC) * (DC), s, Lcap, scale, (GC), (DC), NULL, NULL, KV_F32, KV_F32, 0); \
         }                                                                                              \
     }
 
