@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.scheduler.kernels import cpu_kernels
-from services.scheduler.kernels.cpu_kernels import blocked_kt, kt_positions
+from services.scheduler.kernels.cpu_kernels import bits, blocked_kt, kt_positions
 from services.scheduler.kvcache.memory_pool import FP8_MAX, to_kv
 from services.scheduler.models.rotary import RotaryEmbedding
 
@@ -411,11 +411,6 @@ def widened(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch
     """t rounded to `dtype` (a KV buffer the kernels read in it) and the same values in float32."""
     narrow = to_kv(t, dtype)
     return narrow, narrow.float()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """t's elements as integers of their width (bit-for-bit comparisons; torch.equal has no fp8)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 @pytest.mark.parametrize("dtype", NARROW_KV, ids=str)

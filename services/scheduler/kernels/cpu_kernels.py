@@ -138,8 +138,8 @@ def extend_layout(slots: torch.Tensor, q_start: torch.Tensor, prefix: torch.Tens
 KT_BLOCK = 64  # positions per block of the dense decode rows' K^T (csrc/attention.c, kt_at)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """t's elements as integers of their width (fp8 has no pad or strided copy of its own)."""
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as integers of their width (fp8 has no pad, strided copy or torch.equal of its own)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
@@ -153,7 +153,7 @@ def kt_blocks(kt: torch.Tensor) -> torch.Tensor:
 def kt_positions(kt: torch.Tensor) -> torch.Tensor:
     """A blocked dense-row K^T buffer [..., D, Lcap] in position order (a copy): [..., D, Lcap]."""
     *lead, d, l_cap = kt.shape
-    return kt_blocks(_bits(kt)).transpose(-3, -2).reshape(*lead, d, l_cap).view(kt.dtype)
+    return kt_blocks(bits(kt)).transpose(-3, -2).reshape(*lead, d, l_cap).view(kt.dtype)
 
 
 def blocked_kt(kt: torch.Tensor) -> torch.Tensor:
@@ -162,8 +162,8 @@ def blocked_kt(kt: torch.Tensor) -> torch.Tensor:
     *lead, d, length = kt.shape
     l_cap = -(-length // KT_BLOCK) * KT_BLOCK
     out = kt.new_empty(*lead, d, l_cap)
-    padded = torch.nn.functional.pad(_bits(kt), (0, l_cap - length))
-    kt_blocks(_bits(out)).copy_(padded.view(*lead, d, l_cap // KT_BLOCK, KT_BLOCK).transpose(-3, -2))
+    padded = torch.nn.functional.pad(bits(kt), (0, l_cap - length))
+    kt_blocks(bits(out)).copy_(padded.view(*lead, d, l_cap // KT_BLOCK, KT_BLOCK).transpose(-3, -2))
     return out
 
 
