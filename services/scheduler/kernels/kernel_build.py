@@ -23,6 +23,9 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 # at 512. Without AVX-512 it changes nothing.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
 LDFLAGS = ["-shared", "-fopenmp"]
+# attention.c alone takes 100-110 s on the 2-core machine (a specialization per head shape, KV kind and
+# path): past the old 120 s limit when the machine is slow, which left a process without native kernels.
+BUILD_TIMEOUT_S = 600
 
 
 def _cpu_id() -> str:
@@ -57,6 +60,7 @@ def build(sources: tuple[Path, ...] = SOURCES, cache: str | None = None) -> Path
     out = cache_dir(cache) / f"ringserve-kernels-{key}.so"
     if out.exists():
         return out
+    log.info("compiling the native CPU kernels into %s (a minute or two; once per source change)", out.name)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     objs = [tmp.with_name(f"{tmp.name}.{f.stem}.o") for f in sources]
     try:
@@ -64,9 +68,9 @@ def build(sources: tuple[Path, ...] = SOURCES, cache: str | None = None) -> Path
         # turns on flush-to-zero for the whole process the moment the library is loaded.
         for src, obj in zip(sources, objs):
             subprocess.run([cc, *CFLAGS, "-c", "-o", str(obj), str(src)], check=True, capture_output=True,
-                           timeout=120)
+                           timeout=BUILD_TIMEOUT_S)
         subprocess.run([cc, *LDFLAGS, "-o", str(tmp), *map(str, objs), "-lm"], check=True, capture_output=True,
-                       timeout=120)
+                       timeout=BUILD_TIMEOUT_S)
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", b"") or b""

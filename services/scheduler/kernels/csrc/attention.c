@@ -706,24 +706,20 @@ static inline __attribute__((always_inline)) void to_bf16(const float *restrict 
     for (; i < n; i++) st(out, i, x[i], KV_BF16);
 }
 
-/* e^x for 16 lanes, inline: 2^n p(r) with n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts) and p the
- * degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~1e-7, libm's order); x below -87 gives
- * e^-87. A call to libmvec's expf made the compiler spill a softmax's running sum around it every 16 keys,
- * and with the running maximum's loop that was a third of a prefill's attention on tiles (perf, one
- * 2,048-token prompt). Only for the tile paths, whose probabilities are rounded to bf16 next. */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+/* 2^t for 16 lanes, inline: 2^n p(f) with n = round(t), f = t - n in [-1/2, 1/2] and p a degree-4 fit of
+ * 2^f there (relative error 2.8e-6: the tile paths round their probabilities to bf16, 2^-9, next); t below
+ * -126 gives 2^-126. A call to libmvec's expf made the compiler spill a softmax's running sum around it every
+ * 16 keys (a third of a prefill's attention on tiles, perf); the degree-6 e^x this replaces spent three more
+ * operations a vector on the exponential, the largest part of the softmax. */
+static inline __attribute__((always_inline)) __m512 exp2_16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(0.009560514241456985f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591703951358795f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -732,103 +728,147 @@ static inline __attribute__((always_inline)) __mmask16 lanes(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
 }
 
-/* The running maximum vm over si[lo, hi) times sc, 16 keys at a time (a masked last block). */
-static inline __attribute__((always_inline)) __m512 scores_max(const float *restrict si, int64_t lo, int64_t hi,
-                                                               __m512 sc, __m512 vm) {
-    for (int64_t l = lo; l < hi; l += 16) {
-        const __mmask16 k = lanes(hi - l);
-        vm = _mm512_mask_max_ps(vm, k, vm, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), sc));
+/* The maximum of si[lo, hi) (-FLT_MAX where empty). Four running maxima: one waits on the previous
+ * iteration's (the max's latency), which bounded the loop at a quarter of its load rate; a maximum does not
+ * depend on the order it is taken in. */
+static inline __attribute__((always_inline)) float scores_max(const float *restrict si, int64_t lo, int64_t hi) {
+    __m512 m0 = _mm512_set1_ps(-FLT_MAX), m1 = m0, m2 = m0, m3 = m0;
+    int64_t l = lo;
+    for (; l + 64 <= hi; l += 64) {
+        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(si + l));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(si + l + 16));
+        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(si + l + 32));
+        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(si + l + 48));
     }
-    return vm;
+    for (; l < hi; l += 16) {
+        const __mmask16 k = lanes(hi - l);
+        m0 = _mm512_mask_max_ps(m0, k, m0, _mm512_maskz_loadu_ps(k, si + l));
+    }
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
 }
 
-/* si[l] = e^(si[l] sc - m) over [lo, hi), added into the running sum, which it returns. */
-static inline __attribute__((always_inline)) __m512 scores_exp(float *restrict si, int64_t lo, int64_t hi, __m512 sc,
-                                                               __m512 m, __m512 sum) {
-    for (int64_t l = lo; l < hi; l += 16) {
+/* e^(si[l] sc - m) = 2^(si[l] sc log2(e) - m log2(e)) over [lo, hi) (sc2, m2: the factors times log2(e)),
+ * added into the running sum, which it returns: into si[l] itself, or (pg not NULL) rounded to bf16 into
+ * pg[l]. Whole vectors, then a masked last one. */
+static inline __attribute__((always_inline)) __m512 scores_exp(float *restrict si, int64_t lo, int64_t hi, __m512 sc2,
+                                                               __m512 m2, __m512 sum, uint16_t *restrict pg) {
+    int64_t l = lo;
+    for (; l + 16 <= hi; l += 16) {
+        const __m512 e = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(si + l), sc2, m2));
+        if (pg)
+            _mm256_storeu_si256((__m256i *)(pg + l), (__m256i)_mm512_cvtneps_pbh(e));
+        else
+            _mm512_storeu_ps(si + l, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (l < hi) {
         const __mmask16 k = lanes(hi - l);
-        const __m512 e = exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, si + l), sc, m));
-        _mm512_mask_storeu_ps(si + l, k, e);
+        const __m512 e = exp2_16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, si + l), sc2, m2));
+        if (pg)
+            _mm256_mask_storeu_epi16(pg + l, k, (__m256i)_mm512_cvtneps_pbh(e));
+        else
+            _mm512_mask_storeu_ps(si + l, k, e);
         sum = _mm512_mask_add_ps(sum, k, sum, e);
     }
     return sum;
 }
 
 /* One query row of a tile task: the prefix's scores si[poff, pl) as the tiles left them (unscaled), then its
- * own scores si[pl, pl + own) (scaled). The softmax over both: the own probabilities stay in si, the prefix's
- * go to pg as bf16, zero outside [poff, pl) up to P32 (what the second product reads). The maximum and the
- * sum stay in registers, 16 keys at a time (a masked last block). */
-static inline __attribute__((always_inline)) void tile_softmax(float *restrict si, int64_t poff, int64_t pl,
-                                                               int64_t own, float scale, uint16_t *restrict pg,
-                                                               int64_t P32) {
-    /* the own scores are scaled already: a scale of 1 (x * 1 and x * 1 - m are exactly x and x - m) */
-    const __m512 sc = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
-    const __m512 vm = scores_max(si, pl, pl + own, one, scores_max(si, poff, pl, sc, _mm512_set1_ps(-FLT_MAX)));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-    const __m512 sum = scores_exp(si, pl, pl + own, one, m, scores_exp(si, poff, pl, sc, m, _mm512_setzero_ps()));
-    const __m512 inv = _mm512_div_ps(one, _mm512_set1_ps(_mm512_reduce_add_ps(sum)));
-    for (int64_t l = pl; l < pl + own; l += 16) {
-        const __mmask16 k = lanes(pl + own - l);
-        _mm512_mask_storeu_ps(si + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), inv));
-    }
+ * own scores si[pl, pl + own) (scaled). The softmax over both, normalized by the caller (it returns 1 / the
+ * sum): the rest is linear in the probabilities, so the caller scales the row's output once instead of every
+ * probability (FlashAttention's order). The own ones stay in si (float32), the prefix's go to pg as bf16, zero
+ * outside [poff, pl) up to P32 (what the second product reads); the largest is 1. */
+static inline __attribute__((always_inline)) float tile_softmax(float *restrict si, int64_t poff, int64_t pl,
+                                                                int64_t own, float scale, uint16_t *restrict pg,
+                                                                int64_t P32) {
+    /* the largest scaled prefix score is the largest score scaled: rounding keeps the order (scale > 0) */
+    const float mp = poff < pl ? scores_max(si, poff, pl) * scale : -FLT_MAX, mo = scores_max(si, pl, pl + own);
+    const float l2e = 1.44269504088896341f, m2 = (mp > mo ? mp : mo) * l2e;
+    /* the own scores are scaled already */
+    const __m512 mv = _mm512_set1_ps(m2), sum0 = _mm512_setzero_ps();
     for (int64_t l = 0; l < poff; l++) pg[l] = 0;
-    for (int64_t l = poff; l < pl; l += 16) {
-        const __mmask16 k = lanes(pl - l);
-        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, si + l), inv);
-        _mm256_mask_storeu_epi16(pg + l, k, (__m256i)_mm512_cvtneps_pbh(p));
-    }
+    const __m512 sum = scores_exp(si, pl, pl + own, _mm512_set1_ps(l2e), mv,
+                                  scores_exp(si, poff, pl, _mm512_set1_ps(scale * l2e), mv, sum0, pg), NULL);
     for (int64_t l = pl; l < P32; l++) pg[l] = 0;
+    return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-/* C[16, 16 n] (float32, ldc floats) = sum over `steps` of A[16, 32] (bf16, lda elements; a step 32 on)
- * times B[16 pairs, 16 n] (bf16 pairs, ldb elements; a step 16 rows on; its n column blocks 32 elements
- * apart), n = 4 or 1: four accumulators (tiles 0-3) keep four products in flight where one would wait on
- * the previous. A is tile 4, B tiles 5 and 6; each 16 rows of 64 bytes (the task's configuration). */
+/* C[16 mr, 16 n] (float32, ldc floats) = sum over `steps` of A[16 mr, 32] (bf16, lda elements; a step 32
+ * on) times B[16 pairs, 16 n] (bf16 pairs, ldb elements; a step 16 rows on; its n column blocks 32 elements
+ * apart); mr * n accumulators (tiles 0-3), mr = 1 with n = 4 or 1, mr = 2 with n = 2 or 1. A is in tiles 4
+ * and 5, B in 6 and 7, each 16 rows of 64 bytes (the task's configuration). Several accumulators keep
+ * products in flight where one would wait on the previous; two row blocks load each B tile once for both:
+ * B comes from L2 (a row block's keys or values, up to a few hundred KB), and a tile load from there takes
+ * about as long as two products. */
 static inline __attribute__((always_inline)) void tile_product(const uint16_t *a, int64_t lda, const uint16_t *b,
                                                                 int64_t ldb, int64_t steps, float *c, int64_t ldc,
-                                                                const int n) {
+                                                                const int mr, const int n) {
     _tile_zero(0);
-    if (n == 4) {
-        _tile_zero(1);
+    if (n >= 2 || mr == 2) _tile_zero(1);
+    if (n == 4 || (mr == 2 && n == 2)) {
         _tile_zero(2);
         _tile_zero(3);
     }
     for (int64_t k = 0; k < steps; k++) {
         const uint16_t *bk = b + 16 * k * ldb;
         _tile_loadd(4, a + 32 * k, lda * 2);
-        _tile_loadd(5, bk, ldb * 2);
-        _tile_dpbf16ps(0, 4, 5);
+        if (mr == 2) {
+            _tile_loadd(5, a + 16 * lda + 32 * k, lda * 2);
+            _tile_loadd(6, bk, ldb * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            if (n == 2) {
+                _tile_loadd(7, bk + 32, ldb * 2);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            continue;
+        }
+        _tile_loadd(6, bk, ldb * 2);
+        _tile_dpbf16ps(0, 4, 6);
         if (n == 4) {
-            _tile_loadd(6, bk + 32, ldb * 2);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(5, bk + 64, ldb * 2);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(6, bk + 96, ldb * 2);
-            _tile_dpbf16ps(3, 4, 6);
+            _tile_loadd(7, bk + 32, ldb * 2);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, bk + 64, ldb * 2);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, bk + 96, ldb * 2);
+            _tile_dpbf16ps(3, 4, 7);
         }
     }
     _tile_stored(0, c, ldc * 4);
-    if (n == 4) {
+    if (mr == 2) {
+        _tile_stored(1, c + 16 * ldc, ldc * 4);
+        if (n == 2) {
+            _tile_stored(2, c + 16, ldc * 4);
+            _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+        }
+    } else if (n == 4) {
         _tile_stored(1, c + 16, ldc * 4);
         _tile_stored(2, c + 32, ldc * 4);
         _tile_stored(3, c + 48, ldc * 4);
     }
 }
 
-/* C[16, cols] (cols a multiple of 16) by tile_product, four column blocks at a time while they fill. */
+/* C[rows, cols] (rows 16 or 32, cols a multiple of 16) by tile_product: 32 rows two column blocks at a time,
+ * 16 rows four while they fill. */
 static inline __attribute__((always_inline)) void tile_rows(const uint16_t *a, int64_t lda, const uint16_t *b,
                                                              int64_t ldb, int64_t steps, float *c, int64_t ldc,
-                                                             int64_t cols) {
+                                                             int64_t rows, int64_t cols) {
     int64_t n = 0;
-    for (; n + 64 <= cols; n += 64) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 4);
-    for (; n < cols; n += 16) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 1);
+    if (rows > 16) {
+        for (; n + 32 <= cols; n += 32) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 2, 2);
+        for (; n < cols; n += 16) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 2, 1);
+        return;
+    }
+    for (; n + 64 <= cols; n += 64) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 1, 4);
+    for (; n < cols; n += 16) tile_product(a, lda, b + 2 * n, ldb, steps, c + n, ldc, 1, 1);
 }
 
-/* The task's tile configuration: tiles 0-6, 16 rows of 64 bytes each (release with _tile_release). */
+/* The task's tile configuration: tiles 0-7, 16 rows of 64 bytes each (release with _tile_release). */
 static inline __attribute__((always_inline)) void tiles_begin(void) {
     tile_config cfg = {0};
     cfg.palette = 1;
-    for (int t = 0; t < 7; t++) {
+    for (int t = 0; t < 8; t++) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -854,6 +894,7 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
     uint16_t *qb = pb + Rp * P32;                /* Rp x D: the queries, bf16 */
     float *ob = (float *)(qb + Rp * D);          /* Rp x D: the prefix's weighted V */
     const int64_t e = entry[rows[order[i0]]];
+    float inv[TILE_CHUNK * GMAX]; /* 1 / each query row's softmax sum (tile_softmax) */
     for (int64_t i = 0; i < n; i++) {
         const int64_t b = order[i0 + i], r = rows[b];
         if (kn)
@@ -866,7 +907,8 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
     for (int64_t j = R * D; j < Rp * D; j++) qb[j] = 0;
     tiles_begin();
     const uint16_t *kp = pk + (e * H + h) * D * Pcap, *vp = pv + (e * H + h) * Pcap * D;
-    for (int64_t m = 0; m < Rp; m += 16) tile_rows(qb + m * D, D, kp, 2 * Pcap, D / 32, s + m * SS, SS, P16);
+    for (int64_t m = 0; m < Rp; m += 32)
+        tile_rows(qb + m * D, D, kp, 2 * Pcap, D / 32, s + m * SS, SS, Rp - m, P16);
     for (int64_t i = 0; i < n; i++) {
         const int64_t b = order[i0 + i], r = rows[b], pl = plen[r];
         const int64_t lo = window > 0 && lens[r] > window ? lens[r] - window : 0;
@@ -877,10 +919,11 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
         scores(q + b * q_stride + h * G * D, KV_AT(kt, (r * H + h) * D * Lcap, KV), off, own, Lcap, si + pl, SS,
                scale, G, D, nk, KV, 1);
         for (int64_t g = 0; g < G; g++)
-            tile_softmax(si + g * SS, poff, pl, own, scale, pb + (i * G + g) * P32, P32);
+            inv[i * G + g] = tile_softmax(si + g * SS, poff, pl, own, scale, pb + (i * G + g) * P32, P32);
     }
     for (int64_t j = R * P32; j < Rp * P32; j++) pb[j] = 0;
-    for (int64_t m = 0; m < Rp; m += 16) tile_rows(pb + m * P32, P32, vp, 2 * D, P32 / 32, ob + m * D, D, D);
+    for (int64_t m = 0; m < Rp; m += 32)
+        tile_rows(pb + m * P32, P32, vp, 2 * D, P32 / 32, ob + m * D, D, Rp - m, D);
     _tile_release();
     for (int64_t i = 0; i < n; i++) {
         const int64_t b = order[i0 + i], r = rows[b], pl = plen[r];
@@ -892,7 +935,7 @@ static inline __attribute__((always_inline)) void prefix_tile_task(
         const void *nv = i + 1 < n ? KV_AT(v, (rows[order[i0 + i + 1]] * H + h) * Lcap * D, KV) : NULL;
         weigh(acc, s + i * G * SS + pl, SS, KV_AT(v, (r * H + h) * Lcap * D, KV), off, own, G, D, nv, KV);
         for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) out[(b * H + h) * G * D + g * D + d] = acc[g][d];
+            for (int64_t d = 0; d < D; d++) out[(b * H + h) * G * D + g * D + d] = acc[g][d] * inv[i * G + g];
     }
 }
 
@@ -1112,13 +1155,72 @@ void fill_rows_f32(const void *pool_k, const void *pool_v, const int64_t *slots,
     }
 
 #ifdef TILES
+/* The 16 x 16 32-bit words r[0..16) transposed in place (unpacks, then 128-bit lane shuffles). */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* Positions sl[0..16) of KV head h from a bf16 pool into the tile layouts (extend_tile_task): K^T pairs of
+ * dimensions, kt[j * L32 + l] (32-bit words), by 16 x 16 transposes; V pairs of positions, vt[(l / 2) * 2 D +
+ * 2 d + l % 2], by interleaving two rows. A word or element at a time this was a tenth of a prefill's
+ * attention after a shared prefix (each request gathers the prefix again). D a multiple of 32. */
+static inline __attribute__((always_inline)) void tile_gather16(const void *pool_k, const void *pool_v,
+                                                                 const int64_t *sl, int64_t H, int64_t h,
+                                                                 uint32_t *kt, int64_t L32, uint16_t *vt,
+                                                                 const int64_t D) {
+    const uint32_t *kw[16];
+    for (int i = 0; i < 16; i++) kw[i] = (const uint32_t *)KV_AT(pool_k, (sl[i] * H + h) * D, KV_BF16);
+    for (int64_t j = 0; j < D / 2; j += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(kw[i] + j);
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (j + i) * L32, r[i]);
+    }
+    /* out[2 d] = a[d], out[2 d + 1] = b[d]: lanes 0-31 of the interleave of a and b's 32-element halves */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int i = 0; i < 16; i += 2) {
+        const uint16_t *a = (const uint16_t *)KV_AT(pool_v, (sl[i] * H + h) * D, KV_BF16);
+        const uint16_t *b = (const uint16_t *)KV_AT(pool_v, (sl[i + 1] * H + h) * D, KV_BF16);
+        uint16_t *out = vt + i * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
+            _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+}
+
 /* Prefill attention on tiles (`kv` | KV_TILES, a bf16 or fp8 pool): per (request, KV head, run of its query
  * rows [m_lo, m_hi), m_lo a multiple of 16) the keys those rows see go from the pool into the tile layout
- * (bf16; fp8 widens exactly), then 16 query rows at a time (token-major, G heads a token) score every key up
- * to the last row's own as tile products, take their causal (and windowed) softmax as in `tile_softmax`, and
- * weight V as tile products. q and the probabilities are rounded to bf16 for the products, as on the decode
- * side. Keys before the tile's first row's window are skipped a multiple of 32 at a time. ws: extend_scratch
- * floats. */
+ * (bf16, 16 positions at a time by tile_gather16; fp8 widens exactly), then 32 query rows at a time (token-
+ * major, G heads a token) score every key up to the last row's own as tile products, take their causal (and
+ * windowed) softmax as in `tile_softmax`, weight V as tile products and scale each row by 1 / its sum. q and
+ * the probabilities are rounded to bf16 for the products, as on the decode side. Keys before the tile's first
+ * row's window are skipped a multiple of 32 at a time. ws: extend_scratch floats. */
 static inline __attribute__((always_inline)) void extend_tile_task(
     const float *restrict q, int64_t q_stride, const void *pool_k, const void *pool_v, const int64_t *slots,
     int64_t t0, int64_t n_new, int64_t pre, int64_t H, int64_t h, int64_t m_lo, int64_t m_hi, float *out, float *ws,
@@ -1129,11 +1231,15 @@ static inline __attribute__((always_inline)) void extend_tile_task(
     const int64_t Lp = (Lcap + 31) / 32 * 32, SS = Lp + 64;
     uint32_t *kt = (uint32_t *)ws;            /* [D/2][L32] bf16 pairs of dimensions */
     uint16_t *vt = (uint16_t *)(kt + D / 2 * Lp); /* [L32/2][D][2] bf16 pairs of positions */
-    float *s = (float *)(vt + Lp * D);        /* 16 rows of SS */
-    uint16_t *pb = (uint16_t *)(s + 16 * SS);  /* 16 rows of at most L32 */
-    uint16_t *qb = pb + 16 * Lp;               /* 16 x D */
-    float *ob = (float *)(qb + 16 * D);        /* 16 x D */
-    for (int64_t l = 0; l < L32; l++) {
+    float *s = (float *)(vt + Lp * D);        /* 32 rows of SS */
+    uint16_t *pb = (uint16_t *)(s + 32 * SS);  /* 32 rows of at most L32 */
+    uint16_t *qb = pb + 32 * Lp;               /* 32 x D */
+    float *ob = (float *)(qb + 32 * D);        /* 32 x D */
+    int64_t l0 = 0;
+    if (SKV == KV_BF16)
+        for (; l0 + 16 <= nk; l0 += 16)
+            tile_gather16(pool_k, pool_v, slots + g0 + l0, H, h, kt + l0, L32, vt + l0 * D, D);
+    for (int64_t l = l0; l < L32; l++) {
         const int64_t at = l < nk ? (slots[g0 + l] * H + h) * D : -1;
         uint16_t *vr = vt + (l / 2) * 2 * D + (l & 1);
         if (at < 0) {
@@ -1150,9 +1256,10 @@ static inline __attribute__((always_inline)) void extend_tile_task(
         }
     }
     tiles_begin();
-    for (int64_t m0 = m_lo; m0 < R; m0 += 16) {
-        const int64_t mr = R - m0 < 16 ? R - m0 : 16;
-        for (int64_t r = 0; r < 16; r++) {
+    for (int64_t m0 = m_lo; m0 < R; m0 += 32) {
+        /* 32 rows at a time (two row blocks: tile_product), 16 for a last run of 16 or fewer */
+        const int64_t mr = R - m0 < 32 ? R - m0 : 32, rows = mr > 16 ? 32 : 16;
+        for (int64_t r = 0; r < rows; r++) {
             const int64_t i = (m0 + r) / G, g = (m0 + r) % G;
             if (r < mr)
                 to_bf16(q + (t0 + i) * q_stride + (h * G + g) * D, qb + r * D, D);
@@ -1162,20 +1269,21 @@ static inline __attribute__((always_inline)) void extend_tile_task(
         const int64_t n_first = pre + m0 / G + 1 - g0, n_last = pre + (m0 + mr - 1) / G + 1 - g0;
         const int64_t lo_first = window > 0 && n_first > window ? n_first - window : 0;
         const int64_t k0 = lo_first / 32 * 32, hi16 = (n_last + 15) / 16 * 16, W32 = (n_last - k0 + 31) / 32 * 32;
-        tile_rows(qb, D, (const uint16_t *)kt + 2 * k0, 2 * L32, D / 32, s, SS, hi16 - k0);
-        for (int64_t r = 0; r < 16; r++) {
+        tile_rows(qb, D, (const uint16_t *)kt + 2 * k0, 2 * L32, D / 32, s, SS, rows, hi16 - k0);
+        float inv[32]; /* 1 / each row's softmax sum (tile_softmax) */
+        for (int64_t r = 0; r < rows; r++) {
             uint16_t *pg = pb + r * W32;
             if (r >= mr) {
                 for (int64_t j = 0; j < W32; j++) pg[j] = 0;
                 continue;
             }
             const int64_t n = pre + (m0 + r) / G + 1 - g0, lo = window > 0 && n > window ? n - window : 0;
-            tile_softmax(s + r * SS, lo - k0, n - k0, 0, scale, pg, W32);
+            inv[r] = tile_softmax(s + r * SS, lo - k0, n - k0, 0, scale, pg, W32);
         }
-        tile_rows(pb, W32, vt + k0 * D, 2 * D, W32 / 32, ob, D, D);
+        tile_rows(pb, W32, vt + k0 * D, 2 * D, W32 / 32, ob, D, rows, D);
         for (int64_t r = 0; r < mr; r++) {
             const int64_t i = (m0 + r) / G, g = (m0 + r) % G;
-            for (int64_t d = 0; d < D; d++) out[((t0 + i) * H + h) * G * D + g * D + d] = ob[r * D + d];
+            for (int64_t d = 0; d < D; d++) out[((t0 + i) * H + h) * G * D + g * D + d] = ob[r * D + d] * inv[r];
         }
     }
     _tile_release();
@@ -1218,7 +1326,7 @@ static inline int64_t extend_cut(int64_t R, int64_t part, int64_t parts) {
 int64_t extend_scratch(int64_t G, int64_t D, int64_t Lcap, int kv) {
     if (!(kv & KV_TILES)) return ((G > XQ ? G : XQ) + 2 * D) * Lcap;
     const int64_t Lp = (Lcap + 31) / 32 * 32;
-    return D * Lp + 16 * (Lp + 64) + 8 * Lp + 24 * D;
+    return D * Lp + 32 * (Lp + 64) + 16 * Lp + 48 * D;
 }
 
 int extend_attention_f32(const float *q, int64_t q_stride, const void *pool_k, const void *pool_v,
