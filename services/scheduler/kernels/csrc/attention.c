@@ -802,9 +802,10 @@ static inline __attribute__((always_inline)) float tile_softmax(float *restrict 
 static inline __attribute__((always_inline)) void tile_product(const uint16_t *a, int64_t lda, const uint16_t *b,
                                                                 int64_t ldb, int64_t steps, float *c, int64_t ldc,
                                                                 const int mr, const int n) {
+    const int acc = mr * n; /* accumulators in use: 1, 2 or 4 */
     _tile_zero(0);
-    if (n >= 2 || mr == 2) _tile_zero(1);
-    if (n == 4 || (mr == 2 && n == 2)) {
+    if (acc > 1) _tile_zero(1);
+    if (acc > 2) {
         _tile_zero(2);
         _tile_zero(3);
     }
