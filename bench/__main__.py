@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench import plots, report
 from bench.model_info import resolve
-from bench.targets import DESCRIPTIONS, TARGETS, RunResult, run_model
+from bench.targets import DESCRIPTIONS, TARGETS, RunResult, run_model, taking_turns
 from bench.venvs import CACHE, log
 from bench.workloads import select, workloads
 
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": report.commit(), "argv": sys.argv[1:],
             "quick": args.quick,
             "repeats": args.repeats,
+            "taking_turns": taking_turns(args.targets, args.repeats),
             "stream_interval": args.stream_interval,
             "lora_adapters": args.lora,
             "dtypes": {},  # model directory name -> the dtype both servers ran it in
@@ -97,10 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
 
     def emit(r: RunResult) -> None:
-        results.append(r)
+        # Where the servers take turns (run_model), a target's workload is emitted after each of its runs:
+        # the newest replaces the one before.
+        key = (r.target, r.model, r.workload, r.request_rate)
+        at = next((i for i, x in enumerate(results) if (x.target, x.model, x.workload, x.request_rate) == key), None)
+        if at is None:
+            results.append(r)
+        else:
+            results[at] = r
         s = r.summary
+        n = len(r.extra.get("output_throughput_runs", []))
         what = (f"{s['output_throughput']:,.0f} out tok/s, TTFT p50 {s['ttft_ms']['p50']:,.0f} ms, "
-                f"ITL p50 {s['itl_ms']['p50']:,.1f} ms" if s else r.note[:200].replace("\n", " "))
+                f"ITL p50 {s['itl_ms']['p50']:,.1f} ms" + (f" (median of {n} runs)" if n > 1 else "")
+                if s else r.note[:200].replace("\n", " "))
         log(f"({len(results)}/{total}) {r.target:<12} {r.model} {r.workload:<6} {r.status}: {what} "
             f"[{time.monotonic() - t_start:,.0f}s]")
         report.write(out, results, meta)  # partial results survive an interrupt

@@ -107,13 +107,16 @@ def caption(run: Run, model: str) -> str:
     load = first.extra.get("loadavg_before") if first else None
     busy = f"; 1-minute load average {load:.1f} when it started" if isinstance(load, (int, float)) else ""
     repeats = run.meta.get("repeats", 1)
+    # runs before bench.targets.run_model alternated the servers ran each server's repeats in one go
+    turns = " (the two servers taking turns)" if run.meta.get("taking_turns") else ""
     started = run.meta.get("started", "date not recorded")
     dtype = run.meta.get("dtypes", {}).get(model, "float32")  # runs before --dtype were float32 throughout
     kv = run.meta.get("kv_cache_dtype", "auto")
     dtype += f", KV cache {kv}" if kv != "auto" else ""
     return (f"**{model}** ({MODELS.get(model, 'a model directory')}; both servers in {dtype}). Run {started}, "
             f"commit `{commit}`, {where}{busy}. Command: `{command(run.meta)}`. Output tokens/s of the median of "
-            f"{repeats} repeat{'s' if repeats != 1 else ''} and its ratio to vLLM CPU in the same run; "
+            f"{repeats} repeat{'s' if repeats != 1 else ''}{turns} "
+            "and its ratio to vLLM CPU in the same run; "
             "TTFT and ITL are medians in ms; at a fixed request rate (D) throughput is the offered load, so only "
             "latencies are shown.")
 

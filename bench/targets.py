@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench import bench_serving, grpc_client, step_profile
 from bench.server_proc import Server
-from bench.stats import RequestRecord, summarize
+from bench.stats import RequestRecord, Summary, summarize
 from bench.venvs import ROOT, log
 from bench.workloads import Workload
 from ringserve.process import free_port
@@ -68,43 +69,80 @@ def _result(target: str, model: Path, w: Workload, status: str, note: str = "", 
     return RunResult(target, model.name, w.name, w.family, w.request_rate, status, note, **kw)
 
 
+@dataclass
+class WorkloadRuns:
+    """One (target, workload)'s runs so far; where the servers take turns (run_model), from several calls."""
+
+    summaries: list[Summary] = field(default_factory=list)
+    steps: dict[str, float] = field(default_factory=dict)  # step counters summed over the runs after the first
+    profiled: int = 0
+    warm_steps: dict[str, float] = field(default_factory=dict)  # the first run's, with its warm-up request
+    wall_s: float = 0.0
+    load_before: float | None = None
+    failed: RunResult | None = None  # once a run fails, the workload is not run again on that target
+
+
+    def add_steps(self, d: dict[str, float], warm: bool) -> None:
+        """One run's step counters: a run that sent the warm-up request is kept apart (its lone request's
+        steps would dilute the batch figures), used only when there is no other."""
+        if warm:
+            self.warm_steps = d
+            return
+        self.steps = {k: self.steps.get(k, 0.0) + v for k, v in d.items()}
+        self.profiled += 1
+
+
+class Runs(dict[tuple[str, str, str, float], WorkloadRuns]):
+    def of(self, target: str, model: Path, w: Workload) -> WorkloadRuns:
+        return self.setdefault((target, model.name, w.name, w.request_rate), WorkloadRuns())
+
+
 def _measure(target: str, model: Path, w: Workload,
              fn: Callable[[Workload, bool], tuple[list[RequestRecord], float]],
-             emit: Emit, repeats: int = 1, profile: Callable[[], dict[str, float]] | None = None,
+             emit: Emit, reps: range, runs: Runs, profile: Callable[[], dict[str, float]] | None = None,
              **extra: object) -> None:
-    """Run `repeats` times, each with fresh prompts (another seed: no prefix-cache hits from the run
-    before); report the run with the median output throughput (all of them in extra). Points of a
-    request-rate sweep run once: they are long, and they are read as a curve.
+    """Run repetitions `reps` (each with fresh prompts: another seed, no prefix-cache hits from the run
+    before) and emit the result so far: the run with the median output throughput (all of them in extra),
+    replacing what an earlier call emitted. Points of a request-rate sweep run once: they are long, and
+    they are read as a curve.
 
-    Only the first run sends a warm-up request (`fn(workload, warmup)`); the step profile covers the
-    runs after it, so a lone warm-up request's steps do not dilute it (with one run it includes them).
+    Only the first run of a (target, workload) sends a warm-up request (`fn(workload, warmup)`); the step
+    profile covers the runs after it, so a lone warm-up request's steps do not dilute it (with one run it
+    includes them).
     """
-    if not math.isinf(w.request_rate):
-        repeats = 1
-    t0 = time.monotonic()
-    load_before = os.getloadavg()[0]
-    runs = []
-    try:
-        before = profile() if profile else None
-        for rep in range(repeats):
-            recs, dur = fn(replace(w, seed=w.seed + REPEAT_SEED_STEP * rep + SEED_OFFSETS.get(target, 0)), rep == 0)
-            runs.append(summarize(recs, dur))
-            if profile and rep == 0 and repeats > 1:
-                before = profile()
-        if profile and before is not None:
-            extra["step_profile"] = step_profile.summary(step_profile.delta(before, profile()))
-            extra["step_profile_runs"] = max(1, repeats - 1)
-    except Exception as e:  # one run's failure is a result, not the end of the benchmark
-        emit(_result(target, model, w, "failed", f"{type(e).__name__}: {e}"[-1500:], wall_s=time.monotonic() - t0))
+    if not math.isinf(w.request_rate):  # a sweep point runs once
+        reps = range(1) if 0 in reps else range(0)
+    e = runs.of(target, model, w)
+    if not reps or e.failed is not None:
         return
-    s = sorted(runs, key=lambda r: r.output_throughput)[len(runs) // 2]
-    failed = next((r for r in runs if r.failed), None)
+    t0 = time.monotonic()
+    if e.load_before is None:
+        e.load_before = os.getloadavg()[0]
+    try:
+        for rep in reps:
+            warm = not e.summaries  # this server's first run of the workload
+            before = profile() if profile else None
+            recs, dur = fn(replace(w, seed=w.seed + REPEAT_SEED_STEP * rep + SEED_OFFSETS.get(target, 0)), warm)
+            e.summaries.append(summarize(recs, dur))
+            if profile and before is not None:
+                e.add_steps(step_profile.delta(before, profile()), warm)
+    except Exception as exc:  # one run's failure is a result, not the end of the benchmark
+        e.failed = _result(target, model, w, "failed", f"{type(exc).__name__}: {exc}"[-1500:],
+                           wall_s=e.wall_s + time.monotonic() - t0)
+        emit(e.failed)
+        return
+    e.wall_s += time.monotonic() - t0
+    s = sorted(e.summaries, key=lambda r: r.output_throughput)[len(e.summaries) // 2]
+    failed = next((r for r in e.summaries if r.failed), None)
     status = "ok" if failed is None else "failed"
     note = "" if failed is None else f"{failed.failed} requests failed: {failed.first_error}"
+    if e.profiled or e.warm_steps:
+        extra["step_profile"] = step_profile.summary(e.steps if e.profiled else e.warm_steps)
+        extra["step_profile_runs"] = e.profiled or 1
     # 1-min load average before and after: other work on the machine shows up here
-    emit(_result(target, model, w, status, note, summary=s.to_dict(), wall_s=time.monotonic() - t0,
-                 extra={"loadavg_before": load_before, "loadavg_after": os.getloadavg()[0],
-                        "output_throughput_runs": [round(r.output_throughput, 1) for r in runs], **extra}))
+    emit(_result(target, model, w, status, note, summary=s.to_dict(), wall_s=e.wall_s,
+                 extra={"loadavg_before": e.load_before, "loadavg_after": os.getloadavg()[0],
+                        "output_throughput_runs": [round(r.output_throughput, 1) for r in e.summaries], **extra}))
 
 
 def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str, note: str, emit: Emit) -> None:
@@ -113,9 +151,15 @@ def _fail_all(targets: list[str], model: Path, wls: list[Workload], status: str,
             emit(_result(t, model, w, status, note))
 
 
-def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit,
-                  stream_interval: int = 1, repeats: int = 1, lora: int = 0, dtype: str = "float32",
-                  kv_cache_dtype: str = "auto") -> None:
+Measure = Callable[[Workload, range], None]  # one workload's repetitions on a started server
+
+
+@contextmanager
+def ringserve_session(targets: list[str], model: Path, wls: list[Workload], out: Path, emit: Emit, runs: Runs,
+                      stream_interval: int = 1, lora: int = 0, dtype: str = "float32",
+                      kv_cache_dtype: str = "auto") -> Iterator[Measure | None]:
+    """ringserve started for the selected served targets (smg too, in front of its scheduler): the measure
+    function while it runs, or None when it did not start (reported); stopped on exit."""
     from bench.lora import make_adapters
     from bench.ringserve_server import start_ringserve
 
@@ -130,28 +174,32 @@ def run_ringserve(targets: list[str], model: Path, wls: list[Workload], out: Pat
         rs = start_ringserve(model, extra=["--scheduler-args", sched_args, *lora_flags])
     except Exception as e:
         _fail_all(targets, model, wls, "failed", f"ringserve did not start: {str(e)[-1200:]}", emit)
+        yield None
         return
     profile = lambda: step_profile.scrape(rs.scheduler_metrics)  # noqa: E731
     smg = _start_smg(targets, model, wls, f"127.0.0.1:{sglang_port}", emit)
+
+    def measure(w: Workload, reps: range) -> None:
+        if "gateway" in targets:
+            _measure("gateway", model, w, lambda wr, warm: bench_serving.run(
+                wr, rs.gateway_url, model, model.name, out / "raw", warmup=warm, lora_names=names)[:2],
+                emit, reps, runs, profile, lora_adapters=lora)
+        if "native" in targets:
+            _measure("native", model, w, lambda wr, warm: bench_serving.run(
+                wr, rs.gateway_url, model, model.name, out / "raw", backend="sglang", warmup=warm,
+                lora_names=names)[:2],
+                emit, reps, runs, profile, token_id_prompts=w.dataset == "random-ids", lora_adapters=lora)
+        if "grpc" in targets:
+            _measure("grpc", model, w, lambda wr, warm: grpc_client.run(wr, rs.grpc_target, model, warm), emit,
+                     reps, runs, profile)
+        if smg is not None:
+            # bench_serving sends best_of=1, which smg refuses on a stream; null is its default
+            _measure("smg", model, w, lambda wr, warm: bench_serving.run(
+                wr, smg[1], model, smg[2], out / "raw", warmup=warm, extra_body={"best_of": None})[:2],
+                emit, reps, runs, profile)
+
     try:
-        for w in wls:
-            if "gateway" in targets:
-                _measure("gateway", model, w, lambda wr, warm: bench_serving.run(
-                    wr, rs.gateway_url, model, model.name, out / "raw", warmup=warm, lora_names=names)[:2],
-                    emit, repeats, profile, lora_adapters=lora)
-            if "native" in targets:
-                _measure("native", model, w, lambda wr, warm: bench_serving.run(
-                    wr, rs.gateway_url, model, model.name, out / "raw", backend="sglang", warmup=warm,
-                    lora_names=names)[:2],
-                    emit, repeats, profile, token_id_prompts=w.dataset == "random-ids", lora_adapters=lora)
-            if "grpc" in targets:
-                _measure("grpc", model, w, lambda wr, warm: grpc_client.run(wr, rs.grpc_target, model, warm), emit,
-                         repeats, profile)
-            if smg is not None:
-                # bench_serving sends best_of=1, which smg refuses on a stream; null is its default
-                _measure("smg", model, w, lambda wr, warm: bench_serving.run(
-                    wr, smg[1], model, smg[2], out / "raw", warmup=warm, extra_body={"best_of": None})[:2],
-                    emit, repeats, profile)
+        yield measure
     finally:
         if smg is not None:
             smg[0].stop()
@@ -183,8 +231,10 @@ def _start_smg(targets: list[str], model: Path, wls: list[Workload], worker: str
         return None
 
 
-def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_interval: int = 1,
-             repeats: int = 1, dtype: str = "float32", kv_cache_dtype: str = "auto") -> None:
+@contextmanager
+def vllm_session(model: Path, wls: list[Workload], out: Path, emit: Emit, runs: Runs, stream_interval: int = 1,
+                 dtype: str = "float32", kv_cache_dtype: str = "auto") -> Iterator[Measure | None]:
+    """vLLM CPU started: the measure function while it runs, or None when it did not start (reported)."""
     from bench.vllm_server import start_vllm
 
     try:
@@ -192,12 +242,16 @@ def run_vllm(model: Path, wls: list[Workload], out: Path, emit: Emit, stream_int
                                                                       "--kv-cache-dtype", kv_cache_dtype])
     except Exception as e:
         _fail_all(["vllm"], model, wls, "failed", f"vLLM did not start: {str(e)[-1200:]}", emit)
+        yield None
         return
+
+    def measure(w: Workload, reps: range) -> None:
+        _measure("vllm", model, w, lambda wr, warm: bench_serving.run(wr, base, model, model.name, out / "raw",
+                                                                warmup=warm)[:2],
+                 emit, reps, runs)
+
     try:
-        for w in wls:
-            _measure("vllm", model, w, lambda wr, warm: bench_serving.run(wr, base, model, model.name, out / "raw",
-                                                                    warmup=warm)[:2],
-                     emit, repeats)
+        yield measure
     finally:
         srv.stop()
 
@@ -273,20 +327,55 @@ def parse_scheduler_bench(text: str) -> dict[str, dict[str, float]]:
 def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool, out: Path, emit: Emit,
               stream_interval: int = 1, repeats: int = 1, lora: int = 0, dtype: str = "float32",
               kv_cache_dtype: str = "auto") -> None:
-    """Every selected target on one model, one server at a time (they would compete for 2 cores).
-    Both servers stream every `stream_interval` tokens (--stream-interval on each); the served
-    targets run each workload `repeats` times and report the median run."""
-    groups: list[tuple[list[str], Callable[[], None]]] = [
-        (list(RINGSERVE_TARGETS), lambda: run_ringserve([t for t in targets if t in RINGSERVE_TARGETS],
-                                                        model, wls, out, emit, stream_interval, repeats, lora,
-                                                        dtype, kv_cache_dtype)),
-        (["engine"], lambda: run_engine(model, wls, quick, out, emit, dtype, kv_cache_dtype)),
-        (["vllm"], lambda: run_vllm(model, wls, out, emit, stream_interval, repeats, dtype, kv_cache_dtype)),
-        (["transformers"], lambda: run_transformers(model, wls, out, emit)),
-    ]
-    for names, fn in groups:
+    """Every selected target on one model. Both servers stream every `stream_interval` tokens
+    (--stream-interval on each); the served targets run each workload `repeats` times and report the
+    median run.
+
+    With ringserve and vLLM both selected (and more than one repeat) they take turns: both are started,
+    each idle while the other runs (measured: ringserve's processes used 1 CPU-second in 108 s of vLLM's
+    runs, vLLM none in ringserve's), and each workload's repetitions alternate between them (ringserve's
+    first, then vLLM's, and again). This machine's speed drifts by tens of percent within minutes (other tenants
+    of the host), and two medians taken ten minutes apart, one server after the other, carried that drift
+    into their ratio. Otherwise one server at a time, each stopped before the next starts. The engine and
+    transformers targets run after the servers are stopped: they measure the machine alone."""
+    runs = Runs()
+    served = [t for t in targets if t in RINGSERVE_TARGETS]
+    sessions: list[Callable[[], AbstractContextManager[Measure | None]]] = []
+    if served:
+        sessions.append(lambda: ringserve_session(served, model, wls, out, emit, runs, stream_interval, lora, dtype,
+                                                  kv_cache_dtype))
+    if "vllm" in targets:
+        sessions.append(lambda: vllm_session(model, wls, out, emit, runs, stream_interval, dtype, kv_cache_dtype))
+    if taking_turns(targets, repeats):
+        try:
+            with ExitStack() as stack:
+                started = [m for m in (stack.enter_context(s()) for s in sessions) if m is not None]
+                for rep in range(repeats):
+                    if len(started) > 1:
+                        log(f"{model.name}: repetition {rep + 1} of {repeats}, the servers taking turns")
+                    for w in wls:
+                        for measure in started:
+                            measure(w, range(rep, rep + 1))
+        except Exception:
+            log(f"served targets on {model.name}: unexpected error\n{traceback.format_exc()}")
+        sessions = []
+    for session in sessions:
+        try:
+            with session() as run:
+                for w in wls:
+                    if run is not None:
+                        run(w, range(repeats))
+        except Exception:
+            log(f"a served target on {model.name}: unexpected error\n{traceback.format_exc()}")
+    for names, fn in ((["engine"], lambda: run_engine(model, wls, quick, out, emit, dtype, kv_cache_dtype)),
+                      (["transformers"], lambda: run_transformers(model, wls, out, emit))):
         if any(t in targets for t in names):
             try:
                 fn()
             except Exception:
                 log(f"{'/'.join(names)} on {model.name}: unexpected error\n{traceback.format_exc()}")
+
+
+def taking_turns(targets: list[str], repeats: int) -> bool:
+    """Whether run_model alternates ringserve's and vLLM's repetitions."""
+    return repeats > 1 and "vllm" in targets and any(t in targets for t in RINGSERVE_TARGETS)

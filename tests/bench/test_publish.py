@@ -171,3 +171,14 @@ def test_a_run_with_a_kv_cache_dtype_says_so(tree) -> None:
     (out / "results.json").write_text(json.dumps(data))
     publish.publish(publish.load(out), readme, docs)
     assert "both servers in bfloat16, KV cache fp8_e4m3)" in readme.read_text()
+
+
+def test_a_run_where_the_servers_took_turns_says_so(tree) -> None:
+    out, readme, docs = tree
+    publish.publish(publish.load(out), readme, docs)
+    assert "median of 3 repeats and its ratio" in readme.read_text()  # an older run: nothing recorded
+    data = json.loads((out / "results.json").read_text())
+    data["taking_turns"] = True
+    (out / "results.json").write_text(json.dumps(data))
+    publish.publish(publish.load(out), readme, docs)
+    assert "median of 3 repeats (the two servers taking turns) and its ratio" in readme.read_text()

@@ -48,7 +48,7 @@ def test_repeats_and_targets_on_one_server_draw_distinct_prompts() -> None:
     from pathlib import Path
 
     from bench.stats import RequestRecord
-    from bench.targets import RunResult, _measure
+    from bench.targets import RunResult, Runs, _measure
 
     seeds: list[int] = []
     warmups: list[bool] = []
@@ -61,7 +61,7 @@ def test_repeats_and_targets_on_one_server_draw_distinct_prompts() -> None:
     emitted: list[RunResult] = []
     for target in ("gateway", "native"):
         for w in workloads(False):
-            _measure(target, Path("m"), w, fake_run, emitted.append, repeats=3)
+            _measure(target, Path("m"), w, fake_run, emitted.append, range(3), Runs())
     assert len(seeds) == len(set(seeds))  # no run finds another run's prompts in the prefix cache
     assert all(r.status == "ok" for r in emitted)
     assert warmups[:3] == [True, False, False]  # one warm-up request per server and workload
