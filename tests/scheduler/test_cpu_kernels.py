@@ -690,6 +690,13 @@ def test_argmax_picks_what_torch_picks(kernel) -> None:
     logits[5, 0] = 1e30
     assert kernel.argmax(logits) == logits.argmax(-1).tolist()
     assert kernel.argmax(logits[:, :1000]) == logits[:, :1000].argmax(-1).tolist()  # strided rows
+    # a decode batch over a real vocabulary: rows split over the threads, each with its own ties and NaNs
+    big = torch.randn(64, 49152)
+    big[::3, 17] = big[::3, 40000] = 60.0
+    big[5::7, 123] = float("nan")
+    big[6::9, 49151] = float("inf")
+    assert kernel.argmax(big) == big.argmax(-1).tolist()
+    assert kernel.argmax(big[:, :30000]) == big[:, :30000].argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 96, 64), (3, 33, 48), (7, 130, 1536), (8, 17, 40), (19, 64, 576)])

@@ -218,7 +218,7 @@ class NativeKernels:
         self._silu_mul = self._fn(lib.silu_mul_f32, None, [_P, _P, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int])
         self._add_norm = self._fn(lib.add_rms_norm_f32, None, [_P, _I, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int,
                                                                ctypes.c_int, ctypes.c_int])
-        self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P])
+        self._argmax = self._fn(lib.argmax_rows_f32, None, [_P, _I, _I, _I, _P, ctypes.c_int])
         self._moe_gemm = self._fn(lib.moe_gemm_f32, None, [_P, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int])
         self._linear_bf16 = self._fn(lib.linear_bf16w_f32, ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, ctypes.c_int])
         self._tiles_pack = self._fn(lib.linear_tiles_pack, ctypes.c_int, [_P, _P, _I, _I, ctypes.c_int])
@@ -480,7 +480,7 @@ class NativeKernels:
         b, v = logits.shape
         _rows_of_heads(logits)
         out = torch.empty(b, dtype=torch.int64)
-        self._argmax(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr())
+        self._argmax(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr(), torch.get_num_threads())
         return out.tolist()
 
     def decode_stack(self, x: torch.Tensor, layers: torch.Tensor, heads: tuple[int, int, int], inter: int,
