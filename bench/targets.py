@@ -79,7 +79,7 @@ class WorkloadRuns:
     warm_steps: dict[str, float] = field(default_factory=dict)  # the first run's, with its warm-up request
     wall_s: float = 0.0
     load_before: float | None = None
-    failed: RunResult | None = None  # once a run fails, the workload is not run again on that target
+    failed: bool = False  # once a run fails, the workload is not run again on that target
 
 
     def add_steps(self, d: dict[str, float], warm: bool) -> None:
@@ -113,7 +113,7 @@ def _measure(target: str, model: Path, w: Workload,
     if not math.isinf(w.request_rate):  # a sweep point runs once
         reps = range(1) if 0 in reps else range(0)
     e = runs.of(target, model, w)
-    if not reps or e.failed is not None:
+    if not reps or e.failed:
         return
     t0 = time.monotonic()
     if e.load_before is None:
@@ -127,9 +127,9 @@ def _measure(target: str, model: Path, w: Workload,
             if profile and before is not None:
                 e.add_steps(step_profile.delta(before, profile()), warm)
     except Exception as exc:  # one run's failure is a result, not the end of the benchmark
-        e.failed = _result(target, model, w, "failed", f"{type(exc).__name__}: {exc}"[-1500:],
-                           wall_s=e.wall_s + time.monotonic() - t0)
-        emit(e.failed)
+        e.failed = True
+        emit(_result(target, model, w, "failed", f"{type(exc).__name__}: {exc}"[-1500:],
+                     wall_s=e.wall_s + time.monotonic() - t0))
         return
     e.wall_s += time.monotonic() - t0
     s = sorted(e.summaries, key=lambda r: r.output_throughput)[len(e.summaries) // 2]
@@ -358,15 +358,15 @@ def run_model(targets: list[str], model: Path, wls: list[Workload], quick: bool,
                             measure(w, range(rep, rep + 1))
         except Exception:
             log(f"served targets on {model.name}: unexpected error\n{traceback.format_exc()}")
-        sessions = []
-    for session in sessions:
-        try:
-            with session() as run:
-                for w in wls:
+    else:
+        for session in sessions:
+            try:
+                with session() as run:
                     if run is not None:
-                        run(w, range(repeats))
-        except Exception:
-            log(f"a served target on {model.name}: unexpected error\n{traceback.format_exc()}")
+                        for w in wls:
+                            run(w, range(repeats))
+            except Exception:
+                log(f"a served target on {model.name}: unexpected error\n{traceback.format_exc()}")
     for names, fn in ((["engine"], lambda: run_engine(model, wls, quick, out, emit, dtype, kv_cache_dtype)),
                       (["transformers"], lambda: run_transformers(model, wls, out, emit))):
         if any(t in targets for t in names):
