@@ -77,6 +77,33 @@ def test_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None
         assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
+def test_a_greedy_step_gives_its_logits_argmax(model_dir: str) -> None:
+    """ForwardBatch.greedy: from BF16_SMALL_T rows, where the CPU has AMX, the stack returns each row's argmax
+    ids (the lm_head fused with it, no logits); below, the logits. Either way the ids the greedy sampler takes
+    from the other runner's logits, step by step as the requests' own greedy tokens feed back."""
+    runners = bf16_runners(model_dir)
+    native = runners[0].native
+    assert native is not None
+    ids: list[list[list[int]]] = [[], []]
+    kinds: list[int] = []
+    for got, r in zip(ids, runners):
+        seqs = [Seq(r, [(5 * i + j) % 200 + 1 for j in range(4 + 2 * i)]) for i in range(12)]
+        r.forward(make_batch(seqs, ForwardMode.EXTEND, [len(s.ids) for s in seqs]))
+        for rows in (9, 12, 3, 8):
+            last = got[-1] if got else []
+            for i, s in enumerate(seqs[:rows]):
+                s.ids.append(last[i] if i < len(last) else 7)  # its greedy token, where it ran last step
+            batch = make_batch(seqs[:rows], ForwardMode.DECODE, [1] * rows)
+            batch.greedy = r is runners[0]
+            out = r.forward(batch)
+            if r is runners[0]:
+                kinds.append(out.dim())
+            got.append(out.tolist() if out.dim() == 1 else native.argmax(out))
+    assert ids[0] == ids[1]
+    tiles = native.tiles
+    assert kinds == [1 if tiles else 2, 1 if tiles else 2, 2, 1 if tiles else 2]
+
+
 def test_a_failing_linear_in_a_larger_step_raises_its_error(model_dir: str) -> None:
     """The callback cannot raise through the C frames: the step raises the linear's own exception (the
     callback's path: without the tile copies, as on a CPU without AMX)."""

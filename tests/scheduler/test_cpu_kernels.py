@@ -741,6 +741,51 @@ def test_tile_gemm_is_the_rounded_product_of_the_rounded_operands(kernel, thread
         assert (got.double() - x.double() @ w.double().T).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 8, 17, 33, 64])
+@pytest.mark.parametrize("n", [64, 96, 4096])
+def test_tile_gemm_argmax_is_the_argmax_of_its_output(kernel, threads: int, rows: int, n: int) -> None:
+    """Greedy decoding's fused lm_head picks what argmax() picks on linear_tiles' output: the first maximum
+    of the bf16-rounded sums (rounding makes ties common: x and W of few distinct values make many), the
+    first NaN on a row that has one, the first column on a row of -inf; the columns split over the threads
+    (n: 2, 3 or 128 pairs of blocks, so a thread may have none)."""
+    if not kernel.tiles:
+        pytest.skip("no AMX tiles on this CPU")
+    torch.manual_seed(rows * n)
+    k = 64
+    w = torch.randint(-2, 3, (n, k)).bfloat16()
+    x = torch.randint(-2, 3, (rows, k + 32))[:, :k].float()  # rows at a stride
+    x[0, :] = 0.0  # a row of zeros: every column ties, the answer is 0
+    w[n // 2, :] = float("inf")
+    if rows > 2:
+        x[1, :] = 1.0  # + inf at column n / 2 (and NaN where inf meets -inf in a sum: none, W's row is all inf)
+        x[2, 0] = float("nan")  # a NaN row: every sum NaN, the first NaN is column 0
+    if rows > 5:
+        x[5, :] = -1.0  # -inf at column n / 2
+    wp = kernel.pack_tiles(w)
+    assert wp is not None
+    logits = kernel.linear_tiles(x, wp)
+    want = kernel.argmax(logits)
+    assert want == logits.argmax(-1).tolist()
+    assert kernel.linear_tiles_argmax(x, wp).tolist() == want
+    assert kernel.linear_tiles_argmax(x.bfloat16(), wp).tolist() == want
+    # Columns that hold NaN, all but the first, on a row of ordinary values; a row of -inf only.
+    w2 = w.clone()
+    w2[n // 2, :] = 1.0
+    w2[n - 1, 0] = float("nan")
+    w2[n // 3, 0] = float("nan")
+    x2 = x.clone()
+    x2[0, :] = 1.0
+    wp2 = kernel.pack_tiles(w2)
+    assert wp2 is not None
+    logits2 = kernel.linear_tiles(x2, wp2)
+    assert kernel.linear_tiles_argmax(x2, wp2).tolist() == logits2.argmax(-1).tolist()
+    w3 = torch.full((n, k), float("-inf")).bfloat16()
+    wp3 = kernel.pack_tiles(w3)
+    assert wp3 is not None
+    x3 = torch.ones(rows, k)
+    assert kernel.linear_tiles_argmax(x3, wp3).tolist() == [0] * rows
+
+
 def test_tile_gemm_takes_only_multiples_of_32(kernel) -> None:
     if not kernel.tiles:
         pytest.skip("no AMX tiles on this CPU")

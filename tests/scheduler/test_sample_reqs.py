@@ -8,7 +8,7 @@ import torch
 
 from services.scheduler.core.finish import FinishChecker
 from services.scheduler.core.req import Req
-from services.scheduler.core.scheduler import sample_reqs
+from services.scheduler.core.scheduler import argmax_only, sample_reqs
 from services.scheduler.grammar.glue import GrammarGlue
 from services.scheduler.model_executor.sampling import SamplingParams
 
@@ -43,3 +43,25 @@ def test_min_new_tokens_keeps_eos_out_until_reached() -> None:
 
 def test_no_requests_no_tokens() -> None:
     assert run([], torch.zeros(0, V)) == []
+
+
+def test_argmax_only_batches_take_the_forwards_ids() -> None:
+    """A batch argmax_only() passes may get [B] argmax ids from the forward (ForwardBatch.greedy); anything
+    that reads the logits or samples keeps the batch off it."""
+    def req(**kw) -> Req:
+        fields = {k: kw.pop(k) for k in ("return_logprob", "top_logprobs_num") if k in kw}
+        return Req("r", [1], SamplingParams(**{"temperature": 0.0, **kw}), **fields)
+
+    plain = [req(), req(max_new_tokens=3)]
+    assert argmax_only(plain)
+    assert run(plain, torch.tensor([5, 2])) == [5, 2]
+    for other in (req(temperature=0.7), req(return_logprob=True), req(top_logprobs_num=1),
+                  req(repetition_penalty=1.1), req(frequency_penalty=0.5), req(logit_bias=[(1, 2.0)]),
+                  req(min_new_tokens=2)):
+        assert not argmax_only([*plain, other])
+    constrained = req()
+    constrained.grammar = object()
+    assert not argmax_only([constrained])
+    reached = req(min_new_tokens=2)
+    reached.output_ids = [3, 4]
+    assert argmax_only([reached])

@@ -226,6 +226,7 @@ class Scheduler:
         self.stats.decode_steps += 1
         fb = self.running.forward_batch(slots, self.kv.req_pool.req_to_token, self.device)
         fb.lora_ids = lora_ids(self.running.reqs)
+        fb.greedy = argmax_only(self.running.reqs)
         return Batch(list(self.running.reqs), fb, list(range(len(self.running))), is_prefill=False)
 
     def _requeue_chunked(self) -> None:
@@ -434,13 +435,23 @@ def lora_ids(reqs: list[Req]) -> list[int] | None:
     return ids if any(ids) else None
 
 
+def argmax_only(reqs: list[Req]) -> bool:
+    """Whether every request's next token is its logits' argmax and nothing else reads them (ForwardBatch.greedy):
+    sampling_info's fast_greedy (min_new_tokens taken as met only once the output is that long), and no
+    grammar, no logprobs."""
+    return all(r.params.is_greedy and not r.params.has_penalties and not r.params.logit_bias and r.grammar is None
+               and len(r.output_ids) >= r.params.min_new_tokens and not r.return_logprob and not r.top_logprobs_num
+               for r in reqs)
+
+
 def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, finisher: FinishChecker,
                 vocab_size: int, device: torch.device,
                 argmax: Callable[[torch.Tensor], list[int]] | None = None,
                 logit_bias: LogitBias | None = None) -> list[int]:
     """The requests' state (params, generators, outputs so far, grammars, the min_new_tokens stop ids)
     turned into one SamplingBatchInfo, the sampler run, and each request's logprobs recorded.
-    logits: [len(reqs), V] on device, one row per request; argmax: the C kernel's, when the model runs
+    logits: [len(reqs), V] on device, one row per request (or [len(reqs)] argmax ids, from a forward of a
+    batch argmax_only() passed: ForwardBatch.greedy); argmax: the C kernel's, when the model runs
     on them; logit_bias: the scheduler's cache of bias tensors. Returns each request's next token id."""
     if not reqs:
         return []

@@ -224,6 +224,8 @@ class NativeKernels:
         self._tiles_pack = self._fn(lib.linear_tiles_pack, ctypes.c_int, [_P, _P, _I, _I, ctypes.c_int])
         self._linear_tiles = self._fn(lib.linear_tiles, ctypes.c_int, [_P, _I, ctypes.c_int, _I, _P, _I, _I, _P,
                                                                       ctypes.c_int, ctypes.c_int])
+        self._tiles_argmax = self._fn(lib.linear_tiles_argmax, ctypes.c_int, [_P, _I, ctypes.c_int, _I, _P, _I, _I,
+                                                                              _P, ctypes.c_int])
         self._stack = self._fn(lib.decode_stack_f32, ctypes.c_int,
                                [_P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _I, _F, _P, _P,
                                 _I, _P, _P, ctypes.c_int, _P, ctypes.c_int, STACK_GEMM, _P])
@@ -443,6 +445,22 @@ class NativeKernels:
         if rc != 0:
             raise MemoryError(f"linear_tiles: {t} x {k} bf16 for the rounded input") if rc == -2 else \
                 ValueError(f"linear_tiles: shape {t} x {k} x {n} or the tile state refused")
+        return out
+
+    def linear_tiles_argmax(self, x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+        """[T] int64: each row's argmax of linear_tiles(x, wp), as argmax() picks it (the first maximum of the
+        bf16-rounded sums, the first NaN where there is one), without the [T, N] output (greedy decoding's
+        lm_head). x, wp as linear_tiles takes them."""
+        t, k = x.shape
+        n = wp.shape[0] * 16
+        assert x.dtype in ELEMENTWISE_DTYPES and x.device.type == "cpu"
+        assert x.stride(1) == 1 and t >= 1 and wp.shape[1] * 32 == k and wp.dtype == torch.bfloat16
+        out = torch.empty(t, dtype=torch.int64)
+        rc = self._tiles_argmax(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), t, wp.data_ptr(), n, k,
+                                out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"linear_tiles_argmax: {t} x {k} bf16 for the rounded input") if rc == -2 else \
+                ValueError(f"linear_tiles_argmax: shape {t} x {k} x {n} or the tile state refused")
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

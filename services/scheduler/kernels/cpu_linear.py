@@ -138,6 +138,16 @@ class PackedLinear(nn.Module):
                 y = y.float()
         return y if self.bias is None else y.add_(self.bias)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[T] int64: each row's argmax of forward(x), as the greedy sampler picks it (NativeKernels.argmax),
+        where the tile GEMM takes these rows; None elsewhere (the caller takes forward's logits)."""
+        rows = x.shape[0]
+        if self.tiled is None or self.bias is not None or not BF16_SMALL_T <= rows <= TILES_MAX_T \
+                or x.stride(-1) != 1:
+            return None
+        assert self.native is not None  # tiled only with the native kernels
+        return self.native.linear_tiles_argmax(x, self.tiled)
+
     def _onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The packed GEMM on x [T, in] (rounded to the weight's dtype) at padded_rows(T) rows: [T, out]
         in the weight's dtype, a view of the first T rows."""

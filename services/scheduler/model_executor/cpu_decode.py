@@ -116,7 +116,8 @@ class NativeDecodeStack:
         return batch.mode == ForwardMode.DECODE and md.layout is not None and md.parts is None
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """The step's logits [B, V] float32, as LlamaForCausalLM.forward computes them."""
+        """The step's logits [B, V] float32, as LlamaForCausalLM.forward computes them (batch.greedy: maybe
+        [B] int64 argmax ids instead, LlamaForCausalLM.logits)."""
         model, backend = self.model, self.backend
         layout = backend.metadata.layout
         assert layout is not None and model.rotary is not None
@@ -152,7 +153,7 @@ class NativeDecodeStack:
                 raise
             finally:
                 self._inputs, self._outputs = [], [None] * 4
-        return model.logits(x, delta)
+        return model.logits(x, delta, batch.greedy)
 
     def _linear(self, layer: int, which: int) -> int:
         """decode_stack.c's callback: layer `layer`'s linear `which` (STACK_COLUMNS' index) on its input, as

@@ -38,6 +38,9 @@ class ForwardBatch:
     # [B] on CPU: each request's LoRA adapter uid (0: the base model); None when no request has one,
     # so a batch without adapters costs nothing (services/scheduler/lora/).
     lora_ids: list[int] | None = None
+    # DECODE only: every request takes its logits' argmax and nothing else reads them (no logprobs, penalties,
+    # bias, grammar, ...): the forward may return [B] int64 argmax ids in their place (a fused lm_head).
+    greedy: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -314,7 +314,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] float32 of each request's last new token (with batch.logit_rows: of each
-        request's last logit_rows[b] new tokens, [sum(logit_rows), V])."""
+        request's last logit_rows[b] new tokens, [sum(logit_rows), V]; with batch.greedy maybe their
+        argmax ids instead, [B] int64)."""
         if self.synthetic_forward:
             return self.synthetic_logits(batch)
         if batch.lora_ids is not None and self.lora is not None:

@@ -205,9 +205,13 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: list[bool],
            top_logprobs_num: list[int], argmax: Callable[[torch.Tensor], list[int]] | None = None) -> SampleOutput:
     """logits: [B, V] float32 raw model output, the caller's to spend: logit_bias is added into it in
-    place (the logprobs are taken first). argmax: a faster torch.argmax(logits, -1).tolist() (the C
-    kernel's, on CPU), for an all-greedy batch."""
+    place (the logprobs are taken first); or, for a fast_greedy batch that wants no logprobs, [B] int64
+    argmax ids already taken by the forward (ForwardBatch.greedy). argmax: a faster
+    torch.argmax(logits, -1).tolist() (the C kernel's, on CPU), for an all-greedy batch."""
     bs = logits.shape[0]
+    if logits.dim() == 1:
+        assert info.fast_greedy and not any(return_logprob) and not any(top_logprobs_num)
+        return SampleOutput(logits.tolist(), [None] * bs, [None] * bs)
     want = [i for i in range(bs) if return_logprob[i] or top_logprobs_num[i] > 0]
     # [W, V] log-probabilities of the raw logits, before anything below edits them.
     lp = torch.log_softmax(logits[want].float(), dim=-1) if want else None

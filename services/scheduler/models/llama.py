@@ -230,9 +230,14 @@ class LlamaForCausalLM(nn.Module):
             x, delta = x.index_select(0, last_index), delta.index_select(0, last_index)
         return self.logits(x, delta)
 
-    def logits(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-        """The last residual add, the final norm and the lm_head: x, delta [B, H] -> logits [B, V] float32."""
+    def logits(self, x: torch.Tensor, delta: torch.Tensor | None, greedy: bool = False) -> torch.Tensor:
+        """The last residual add, the final norm and the lm_head: x, delta [B, H] -> logits [B, V] float32.
+        greedy (ForwardBatch.greedy): [B] int64, each row's argmax, where the lm_head gives it without the logits."""
         x, _ = self.norm.add_norm(x, delta)
+        if greedy and isinstance(self.lm_head, PackedLinear):
+            ids = self.lm_head.argmax(x)
+            if ids is not None:
+                return ids
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return logits.float()
 

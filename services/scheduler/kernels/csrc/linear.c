@@ -187,92 +187,218 @@ int linear_tiles_pack(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K, int
     return 0;
 }
 
+/* x rounded to bf16 into xb [T16, K] (T16: T up to a multiple of 16, the extra rows zero), by this thread's
+ * share of the rows (inside a parallel region). */
+static inline void round_rows(const void *x, int64_t ldx, int x_bf16, int64_t T, int64_t T16, int64_t K,
+                              uint16_t *xb) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T16; t++) {
+        uint16_t *xr = xb + t * K;
+        if (t >= T) {
+            memset(xr, 0, (size_t)K * 2);
+        } else if (x_bf16) {
+            memcpy(xr, (const uint16_t *)x + t * ldx, (size_t)K * 2);
+        } else {
+            const float *xf = (const float *)x + t * ldx;
+            for (int64_t k = 0; k < K; k += 16)
+                _mm256_storeu_si256((__m256i *)(xr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + k)));
+        }
+    }
+}
+
+static inline void tiles_config(void) {
+    gemm_tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* c [32, 32] float32 = rows m0.. m0 + 31 of xb times output pair np's two blocks of weights (rows past T are
+ * left as they were). */
+static inline __attribute__((always_inline)) void tile_pair(const uint16_t *xb, const uint16_t *wp, int64_t T,
+                                                            int64_t K, int64_t np, int64_t NP, int64_t m0,
+                                                            float *c) {
+    const int64_t KB = K / 32;
+    const uint16_t *b0 = wp + 2 * np * KB * 512, *b1 = b0 + KB * 512;
+    const int two = m0 + 16 < T; /* a second tile of rows */
+    const uint16_t *a = xb + m0 * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < KB; kb++) {
+        if (m0 == 0 && (kb + 1 < KB || np + 1 < NP)) { /* the next kb's two tiles, into L2 */
+            const char *p0 = kb + 1 < KB ? (const char *)(b0 + (kb + 1) * 512) : (const char *)(b1 + KB * 512);
+            const char *p1 = p0 + KB * 1024;
+            for (int l = 0; l < 1024; l += 64) {
+                _mm_prefetch(p0 + l, _MM_HINT_T1);
+                _mm_prefetch(p1 + l, _MM_HINT_T1);
+            }
+        }
+        _tile_loadd(4, a + kb * 32, K * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + 16 * K + kb * 32, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (two) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+}
+
+/* 16 float32 sums rounded to bf16 (nearest even) and widened back: the values the GEMM's output holds. */
+static inline __attribute__((always_inline)) __m256i rounded(const float *c) {
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c));
+}
+static inline __attribute__((always_inline)) __m512i widened(__m256i bf) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16);
+}
+
 /* Returns 0; -1 for shapes it does not take or without the tile state, -2 when the copy of x could not be
  * allocated (nothing written either way). */
 int linear_tiles(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16_t *wp, int64_t N, int64_t K,
                  void *out, int out_bf16, int threads) {
     if (N % 32 || K % 32 || N < 32 || K < 32 || T < 1 || !prefix_tiles_ready()) return -1;
-    const int64_t KB = K / 32, NP = N / 32, T16 = (T + 15) / 16 * 16;
+    const int64_t NP = N / 32, T16 = (T + 15) / 16 * 16;
     uint16_t *xb = aligned_alloc(64, (size_t)(T16 * K) * 2);
     if (!xb) return -2;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T16; t++) {
-            uint16_t *xr = xb + t * K;
-            if (t >= T) {
-                memset(xr, 0, (size_t)K * 2);
-            } else if (x_bf16) {
-                memcpy(xr, (const uint16_t *)x + t * ldx, (size_t)K * 2);
-            } else {
-                const float *xf = (const float *)x + t * ldx;
-                for (int64_t k = 0; k < K; k += 16)
-                    _mm256_storeu_si256((__m256i *)(xr + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf + k)));
-            }
-        }
-        gemm_tile_config cfg = {0};
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) {
-            cfg.rows[i] = 16;
-            cfg.colsb[i] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        round_rows(x, ldx, x_bf16, T, T16, K, xb);
+        tiles_config();
         float c[32 * 32] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-        for (int64_t np = 0; np < NP; np++) {
-            const uint16_t *b0 = wp + 2 * np * KB * 512, *b1 = b0 + KB * 512;
+        for (int64_t np = 0; np < NP; np++)
             for (int64_t m0 = 0; m0 < T; m0 += 32) {
-                const int two = m0 + 16 < T; /* a second tile of rows */
-                const uint16_t *a = xb + m0 * K;
-                _tile_zero(0);
-                _tile_zero(1);
-                if (two) {
-                    _tile_zero(2);
-                    _tile_zero(3);
-                }
-                for (int64_t kb = 0; kb < KB; kb++) {
-                    if (m0 == 0 && (kb + 1 < KB || np + 1 < NP)) { /* the next kb's two tiles, into L2 */
-                        const char *p0 = kb + 1 < KB ? (const char *)(b0 + (kb + 1) * 512)
-                                                     : (const char *)(b1 + KB * 512);
-                        const char *p1 = p0 + KB * 1024;
-                        for (int l = 0; l < 1024; l += 64) {
-                            _mm_prefetch(p0 + l, _MM_HINT_T1);
-                            _mm_prefetch(p1 + l, _MM_HINT_T1);
-                        }
-                    }
-                    _tile_loadd(4, a + kb * 32, K * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    _tile_loadd(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, a + 16 * K + kb * 32, K * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c, 128);
-                _tile_stored(1, c + 16, 128);
-                if (two) {
-                    _tile_stored(2, c + 16 * 32, 128);
-                    _tile_stored(3, c + 16 * 32 + 16, 128);
-                }
+                tile_pair(xb, wp, T, K, np, NP, m0, c);
                 const int64_t mr = T - m0 < 32 ? T - m0 : 32;
                 for (int64_t r = 0; r < mr; r++)
                     for (int64_t h = 0; h < 32; h += 16) {
-                        const __m256i bf = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 32 + h));
+                        const __m256i bf = rounded(c + r * 32 + h);
                         if (out_bf16)
                             _mm256_storeu_si256((__m256i *)((uint16_t *)out + (m0 + r) * N + np * 32 + h), bf);
                         else /* the rounded value widened back: a bf16 number, as oneDNN's bf16 GEMM gives */
-                            _mm512_storeu_si512((float *)out + (m0 + r) * N + np * 32 + h,
-                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16));
+                            _mm512_storeu_si512((float *)out + (m0 + r) * N + np * 32 + h, widened(bf));
                     }
             }
-        }
         _tile_release();
     }
     free(xb);
     return 0;
+}
+
+/* Greedy decoding's lm_head: out[t] = the index linear_tiles' output row t would give argmax_rows_f32 (the
+ * first maximum of the bf16-rounded sums; the first NaN when the row has one), without writing the [T, N]
+ * logits (a decode batch of 64 rows over a 49,152-entry vocabulary: 12.6 MB written and read again).
+ * Each thread keeps, per row, 16 lanes of (largest value, its first column) over its columns (a lane's
+ * columns come in ascending order, and only a strictly larger value replaces) and its first NaN; the lanes
+ * and then the threads, whose columns ascend with the thread number under the static schedule, are merged
+ * in order at the end. NaN and -inf are told by their bits: the library is built with -ffast-math.
+ * Returns as linear_tiles does. */
+int linear_tiles_argmax(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16_t *wp, int64_t N,
+                        int64_t K, int64_t *out, int threads) {
+    if (N % 32 || K % 32 || N < 32 || K < 32 || T < 1 || threads < 1 || !prefix_tiles_ready()) return -1;
+    const int64_t NP = N / 32, T16 = (T + 15) / 16 * 16;
+    uint16_t *xb = aligned_alloc(64, (size_t)(T16 * K) * 2);
+    /* per thread and row: the lanes' values and columns [16] each, the merged (value, column, first NaN) */
+    float *lane_v = aligned_alloc(64, (size_t)(threads * T) * 16 * 4);
+    int32_t *lane_i = aligned_alloc(64, (size_t)(threads * T) * 16 * 4);
+    float *best_v = malloc((size_t)(threads * T) * 4);
+    int64_t *best_i = malloc((size_t)(threads * T) * 8), *nan_i = malloc((size_t)(threads * T) * 8);
+    int rc = 0, used = threads;
+    if (!xb || !lane_v || !lane_i || !best_v || !best_i || !nan_i) {
+        rc = -2;
+        goto done;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        round_rows(x, ldx, x_bf16, T, T16, K, xb);
+        tiles_config();
+        const int me = omp_get_thread_num();
+#pragma omp single
+        used = omp_get_num_threads();
+        float *lv = lane_v + (int64_t)me * T * 16;
+        int32_t *li = lane_i + (int64_t)me * T * 16;
+        int64_t *ni = nan_i + (int64_t)me * T, first = -1; /* first: this thread's first column */
+        const __m512 neg_inf = _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)0xff800000u));
+        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+        for (int64_t r = 0; r < T; r++) {
+            _mm512_store_ps(lv + r * 16, neg_inf);
+            _mm512_store_si512(li + r * 16, _mm512_set1_epi32(-1));
+            ni[r] = -1;
+        }
+        float c[32 * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t np = 0; np < NP; np++) {
+            if (first < 0) first = np * 32;
+            for (int64_t m0 = 0; m0 < T; m0 += 32) {
+                tile_pair(xb, wp, T, K, np, NP, m0, c);
+                const int64_t mr = T - m0 < 32 ? T - m0 : 32;
+                for (int64_t r = 0; r < mr; r++) {
+                    const int64_t row = m0 + r;
+                    __m512 v_max = _mm512_load_ps(lv + row * 16);
+                    __m512i v_col = _mm512_load_si512(li + row * 16);
+                    for (int64_t h = 0; h < 32; h += 16) {
+                        const __m512i bits = widened(rounded(c + r * 32 + h));
+                        const __m512 v = _mm512_castsi512_ps(bits);
+                        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, abs_bits), inf_bits);
+                        if (nan && ni[row] < 0) ni[row] = np * 32 + h + __builtin_ctz(nan);
+                        const __mmask16 gt = _mm512_cmp_ps_mask(v, v_max, _CMP_GT_OQ);
+                        v_max = _mm512_mask_mov_ps(v_max, gt, v);
+                        v_col = _mm512_mask_mov_epi32(v_col, gt, _mm512_add_epi32(iota, _mm512_set1_epi32(
+                                                                                    (int32_t)(np * 32 + h))));
+                    }
+                    _mm512_store_ps(lv + row * 16, v_max);
+                    _mm512_store_si512(li + row * 16, v_col);
+                }
+            }
+        }
+        _tile_release();
+        /* this thread's answer per row: the largest of its lanes at the least column (a row of -inf only:
+         * its first column); -1 when it had no columns */
+        for (int64_t r = 0; r < T; r++) {
+            const __m512 v_max = _mm512_load_ps(lv + r * 16);
+            const float m = _mm512_reduce_max_ps(v_max);
+            const __mmask16 at = _mm512_cmp_ps_mask(v_max, _mm512_set1_ps(m), _CMP_EQ_OQ);
+            const int32_t col = _mm512_mask_reduce_min_epi32(at, _mm512_load_si512(li + r * 16));
+            best_v[(int64_t)me * T + r] = m;
+            best_i[(int64_t)me * T + r] = first < 0 ? -1 : col < 0 ? first : col;
+        }
+    }
+    for (int64_t r = 0; r < T; r++) { /* the threads' answers, in column order */
+        int64_t at = -1, nan_at = -1;
+        float m = 0.f;
+        for (int t = 0; t < used && nan_at < 0; t++) {
+            const int64_t i = best_i[(int64_t)t * T + r];
+            if (nan_i[(int64_t)t * T + r] >= 0)
+                nan_at = nan_i[(int64_t)t * T + r];
+            else if (i >= 0 && (at < 0 || best_v[(int64_t)t * T + r] > m))
+                at = i, m = best_v[(int64_t)t * T + r];
+        }
+        out[r] = nan_at >= 0 ? nan_at : at;
+    }
+done:
+    free(xb);
+    free(lane_v);
+    free(lane_i);
+    free(best_v);
+    free(best_i);
+    free(nan_i);
+    return rc;
 }
 #else
 int linear_tiles_pack(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K, int threads) {
@@ -282,6 +408,11 @@ int linear_tiles_pack(const uint16_t *w, uint16_t *wp, int64_t N, int64_t K, int
 int linear_tiles(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16_t *wp, int64_t N, int64_t K,
                  void *out, int out_bf16, int threads) {
     (void)x, (void)ldx, (void)x_bf16, (void)T, (void)wp, (void)N, (void)K, (void)out, (void)out_bf16, (void)threads;
+    return -1;
+}
+int linear_tiles_argmax(const void *x, int64_t ldx, int x_bf16, int64_t T, const uint16_t *wp, int64_t N,
+                        int64_t K, int64_t *out, int threads) {
+    (void)x, (void)ldx, (void)x_bf16, (void)T, (void)wp, (void)N, (void)K, (void)out, (void)threads;
     return -1;
 }
 #endif
