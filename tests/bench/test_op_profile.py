@@ -49,4 +49,5 @@ def test_profile_times_the_one_call_stack_after_the_ops(model_dir: str, capsys: 
                             "--steps", "2", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "| linear down_proj |" in out and "| norms |" in out  # not hidden inside the stack's call
-    assert re.search(r"the same step with the one-call native decode stack \(as served\): \d+\.\d\d ms", out)
+    assert re.search(r"the same step with the one-call native decode stack \(as served\): \d+\.\d\d ms; / the "
+                     r"linears alone at the \w+ GEMM rate = \d+\.\d\dx", out)
