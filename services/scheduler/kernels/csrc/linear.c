@@ -206,6 +206,8 @@ static inline void round_rows(const void *x, int64_t ldx, int x_bf16, int64_t T,
     }
 }
 
+/* Tiles 0-7 as 16 rows of 64 bytes: accumulators 0-3, rows of x 4-5, weights 6-7 (attention.c configures its
+ * own the same way; release with _tile_release). */
 static inline void tiles_config(void) {
     gemm_tile_config cfg = {0};
     cfg.palette = 1;
