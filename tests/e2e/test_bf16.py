@@ -144,6 +144,36 @@ def test_bf16_greedy_agrees_with_transformers(stack: Stack, case: Case, real_mod
     assert mean <= case.lp_mean and worst <= case.lp_max
 
 
+def test_plain_greedy_agrees_with_transformers(stack: Stack, case: Case, real_model_dir: str) -> None:
+    """The same prompts asking for nothing but their tokens, all at once: their decode steps, every request
+    greedy with nothing reading the logits, take the argmax with the lm_head (on AMX from 8 rows:
+    linear.c's linear_tiles_argmax, no logits written). The tokens must still be transformers' argmax at
+    the case's top-1 bound."""
+    import torch
+
+    tok = TextTokenizer.from_model(real_model_dir)
+    prompts = (*chat_prompts(tok), *PLAIN)
+    body = {"sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}}
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: stack.generate({"text": p, **body}, timeout=300), prompts))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        agree = positions = 0
+        for p, out in zip(prompts, outs):
+            ours = out["output_ids"]
+            assert len(ours) == NEW_TOKENS and out["text"] == tok.decode(ours), p
+            assert "output_token_logprobs" not in out["meta_info"] or not out["meta_info"]["output_token_logprobs"]
+            top1, _ = scores(real_model_dir, case.reference, tok.encode(p), ours)
+            agree += sum(a == b for a, b in zip(top1, ours))
+            positions += len(ours)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"{case.flags}, no logprobs asked: top-1 agreement with transformers-{case.reference} "
+          f"{agree / positions:.1%} over {positions} positions")
+    assert agree / positions >= case.top1_min
+
+
 def test_server_info_reports_the_dtypes(stack: Stack, case: Case) -> None:
     info = httpx.get(f"{stack.gateway_url}/get_server_info", timeout=10).json()
     assert [(s["dtype"], s["kv_cache_dtype"]) for s in info["schedulers"]] == [(case.weights, case.kv)], info
