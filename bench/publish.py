@@ -107,7 +107,7 @@ def caption(run: Run, model: str) -> str:
     load = first.extra.get("loadavg_before") if first else None
     busy = f"; 1-minute load average {load:.1f} when it started" if isinstance(load, (int, float)) else ""
     repeats = run.meta.get("repeats", 1)
-    # runs before bench.targets.run_model alternated the servers ran each server's repeats in one go
+    # runs from before the servers took turns (bench.targets.run_model) ran each server's repeats in one go
     turns = " (the two servers taking turns)" if run.meta.get("taking_turns") else ""
     started = run.meta.get("started", "date not recorded")
     dtype = run.meta.get("dtypes", {}).get(model, "float32")  # runs before --dtype were float32 throughout

@@ -81,7 +81,6 @@ class WorkloadRuns:
     load_before: float | None = None
     failed: bool = False  # once a run fails, the workload is not run again on that target
 
-
     def add_steps(self, d: dict[str, float], warm: bool) -> None:
         """One run's step counters: a run that sent the warm-up request is kept apart (its lone request's
         steps would dilute the batch figures), used only when there is no other."""

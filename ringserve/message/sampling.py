@@ -59,6 +59,12 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def argmax_of_logits(self) -> bool:
+        """The next token is the argmax of the model's raw logits: greedy, and no penalty or logit_bias
+        edits them first (min_new_tokens, which depends on the output so far, aside)."""
+        return self.is_greedy and not self.has_penalties and not self.logit_bias
+
+    @property
     def max_tokens(self) -> int:
         """max_new_tokens as the scheduler applies it. Intake always resolves it; only an in-process
         caller that never went through a tokenizer leaves it unset and gets the default."""

@@ -439,9 +439,8 @@ def argmax_only(reqs: list[Req]) -> bool:
     """Whether every request's next token is its logits' argmax and nothing else reads them (ForwardBatch.greedy):
     sampling_info's fast_greedy (min_new_tokens taken as met only once the output is that long), and no
     grammar, no logprobs."""
-    return all(r.params.is_greedy and not r.params.has_penalties and not r.params.logit_bias and r.grammar is None
-               and len(r.output_ids) >= r.params.min_new_tokens and not r.return_logprob and not r.top_logprobs_num
-               for r in reqs)
+    return all(r.params.argmax_of_logits and r.grammar is None and len(r.output_ids) >= r.params.min_new_tokens
+               and not r.return_logprob and not r.top_logprobs_num for r in reqs)
 
 
 def sample_reqs(reqs: list[Req], logits: torch.Tensor, grammar: GrammarGlue, finisher: FinishChecker,

@@ -100,11 +100,10 @@ class SamplingBatchInfo:
         min_mask = [(i, sorted(t for t in stop_ids_for_min_tokens[i] if 0 <= t < vocab_size))
                     for i, p in enumerate(params) if len(output_ids[i]) < p.min_new_tokens]
         min_mask = [(i, ids) for i, ids in min_mask if ids]
-        penalized = [p.has_penalties for p in params]
+        if not min_mask and all(p.argmax_of_logits for p in params):
+            return cls(fast_greedy=True, batch_size=bs)
         greedy = [p.is_greedy for p in params]
         bias = (logit_bias or LogitBias()).tensors(params, vocab_size, device)
-        if all(greedy) and not any(penalized) and not min_mask and bias is None:
-            return cls(fast_greedy=True, batch_size=bs)
 
         info = cls(fast_greedy=False, batch_size=bs, greedy=greedy, generators=list(generators),
                    min_token_mask=min_mask or None)
