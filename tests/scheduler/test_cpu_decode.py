@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.scheduler.kernels import cpu_linear
+from services.scheduler.kernels import cpu_kernels, cpu_linear
 from services.scheduler.model_executor import cpu_decode
 from services.scheduler.model_executor.forward_batch import ForwardMode
 from services.scheduler.model_executor.model_runner import ModelRunner
@@ -44,16 +44,27 @@ def counted(runner: ModelRunner) -> list[tuple[int, bool]]:
     return ran
 
 
-def test_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None:
-    """Prefill, then decode at 7, 3, 1 and 5 rows (the native linear kernel inside the stack) and at 9, 12
-    and 8: the tile GEMM called by the stack itself where the CPU has AMX (the tiny model's shapes are
-    multiples of 32), else the packed GEMMs called back in Python (test_a_failing_linear_in_a_larger_step
-    takes that path here)."""
+def no_tile_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The linears as on a CPU without AMX: no tile copy of any weight (the runners built after this)."""
+    monkeypatch.setattr(cpu_kernels.NativeKernels, "pack_tiles", lambda self, w: None)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["tile-gemm", "no-tiles"])
+def test_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str, amx: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill, then decode at 7, 3, 1, 9, 12, 5 and 8 rows. Where the CPU has AMX every step's linears are
+    the tile GEMM, called by the stack itself (the tiny model's shapes are multiples of 32); without the tile
+    copies (as on a CPU without AMX) the steps below BF16_SMALL_T rows run the native small-batch kernel
+    inside the stack, the others the packed GEMMs called back in Python."""
     assert cpu_linear.BF16_SMALL_T == 8  # the row counts below straddle it
+    if not amx:
+        no_tile_copies(monkeypatch)
     runners = bf16_runners(model_dir)
     ran = counted(runners[0])
     native = runners[0].native
     assert native is not None
+    if amx and not native.tiles:
+        pytest.skip("no AMX tiles on this machine")
     modes: list[bool] = []
     stack_call = native.decode_stack
 
@@ -72,14 +83,42 @@ def test_decode_steps_give_the_layers_logits_bit_for_bit(model_dir: str) -> None
                 s.ids.append(11 + step)
             out.append(r.forward(make_batch(seqs[:rows], ForwardMode.DECODE, [1] * rows)))
     assert ran == [(rows, False) for rows in steps]
-    assert modes == [native.tiles and rows >= cpu_linear.BF16_SMALL_T for rows in steps]
+    assert modes == [amx] * len(steps)
     for a, b in zip(*got):
         assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
+def test_some_linears_on_tiles_leave_the_small_steps_to_the_layers(model_dir: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tile copies of some weights only (a shape the tiles do not take): below BF16_SMALL_T rows no one
+    kernel takes every linear, so those steps go through the layers; larger ones through the stack, the
+    linears called back. The logits are the layers' either way."""
+    pack = cpu_kernels.NativeKernels.pack_tiles
+    monkeypatch.setattr(cpu_kernels.NativeKernels, "pack_tiles",
+                        lambda self, w: None if w.shape[0] == w.shape[1] else pack(self, w))  # o_proj
+    runners = bf16_runners(model_dir)
+    native, stack = runners[0].native, runners[0].decode_stack
+    assert native is not None and stack is not None
+    if not native.tiles:
+        pytest.skip("no AMX tiles on this machine")
+    assert stack.mixed and not stack.tiled
+    ran = counted(runners[0])
+    got: list[list[torch.Tensor]] = [[], []]
+    for out, r in zip(got, runners):
+        seqs = [Seq(r, [(3 * i + j) % 200 + 1 for j in range(3 + i)]) for i in range(9)]
+        r.forward(make_batch(seqs, ForwardMode.EXTEND, [len(s.ids) for s in seqs]))
+        for step, rows in enumerate((3, 9)):
+            for s in seqs[:rows]:
+                s.ids.append(31 + step)
+            out.append(r.forward(make_batch(seqs[:rows], ForwardMode.DECODE, [1] * rows)))
+    assert ran == [(9, False)]
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
 def test_a_greedy_step_gives_its_logits_argmax(model_dir: str) -> None:
-    """ForwardBatch.greedy: from BF16_SMALL_T rows, where the CPU has AMX, the stack returns each row's argmax
-    ids (the lm_head fused with it, no logits); below, the logits. Either way the ids the greedy sampler takes
+    """ForwardBatch.greedy: where the CPU has AMX, the stack returns each row's argmax ids (the lm_head fused
+    with it, no logits), at any row count; elsewhere the logits. Either way the ids the greedy sampler takes
     from the other runner's logits, step by step as the requests' own greedy tokens feed back."""
     runners = bf16_runners(model_dir)
     native = runners[0].native
@@ -100,17 +139,14 @@ def test_a_greedy_step_gives_its_logits_argmax(model_dir: str) -> None:
                 kinds.append(out.dim())
             got.append(out.tolist() if out.dim() == 1 else native.argmax(out))
     assert ids[0] == ids[1]
-    tiles = native.tiles
-    assert kinds == [1 if tiles else 2, 1 if tiles else 2, 2, 1 if tiles else 2]
+    assert kinds == [1 if native.tiles else 2] * 4
 
 
-def test_a_failing_linear_in_a_larger_step_raises_its_error(model_dir: str) -> None:
+def test_a_failing_linear_in_a_larger_step_raises_its_error(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The callback cannot raise through the C frames: the step raises the linear's own exception (the
     callback's path: without the tile copies, as on a CPU without AMX)."""
+    no_tile_copies(monkeypatch)
     on, _ = bf16_runners(model_dir)
-    for m in on.model.modules():
-        if isinstance(m, cpu_linear.PackedLinear):
-            m.tiled = None
     seqs = [Seq(on, [i + 1, i + 2, i + 3]) for i in range(8)]
     on.forward(make_batch(seqs, ForwardMode.EXTEND, [3] * 8))
     for s in seqs:

@@ -65,6 +65,7 @@ def test_bf16_small_batches_go_to_the_native_kernel_and_agree_with_onednn() -> N
     w, b = torch.randn(96, 48) * 0.1, torch.randn(96)
     layer = cpu_linear.PackedLinear(w, b, torch.bfloat16, native=native)
     onednn = cpu_linear.PackedLinear(w, b, torch.bfloat16)
+    assert layer.tiled is None  # 48 inputs: not a shape the AMX tiles take, which would take every row count
     for rows in (1, cpu_linear.BF16_SMALL_T - 1, cpu_linear.BF16_SMALL_T):
         x = torch.randn(rows, 48)
         got = layer(x)
@@ -88,7 +89,8 @@ def test_bf16_mid_batches_go_to_the_tile_gemm_and_agree_with_onednn() -> None:
     layer = cpu_linear.PackedLinear(w, b, torch.bfloat16, native=native)
     onednn = cpu_linear.PackedLinear(w, b, torch.bfloat16)
     assert layer.tiled is not None and onednn.tiled is None
-    for rows in (cpu_linear.BF16_SMALL_T, 33, cpu_linear.TILES_MAX_T, cpu_linear.TILES_MAX_T + 1):
+    for rows in (1, cpu_linear.BF16_SMALL_T - 1, cpu_linear.BF16_SMALL_T, 33, cpu_linear.TILES_MAX_T,
+                 cpu_linear.TILES_MAX_T + 1):
         x = torch.randn(rows, 64)
         got = layer(x)
         if rows <= cpu_linear.TILES_MAX_T:

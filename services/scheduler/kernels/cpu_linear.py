@@ -19,12 +19,16 @@ oneDNN's bf16 GEMM costs several times what reading the weights does at a handfu
 with AMX, SmolLM2-135M's linears at batch 1: 32.6 ms a step against 17.6 for the native kernel of
 csrc/linear.c, which reads the plain bf16 weight once and dots it with every row; per shape 1.1-3.2x
 at 1-2 rows, 0.8-1.6x at 4, 0.6-1.5x at 8, behind from 16). So with the native kernels, fewer than
-BF16_SMALL_T rows go there. Its output is the float32 sum, where oneDNN's is rounded to bf16.
-Where the CPU has AMX, from there up to TILES_MAX_T rows (a decode batch, a short prefill) the weights
-also have a copy in the tile layout of csrc/linear.c's `linear_tiles`, which streams each weight once
-through the tile unit at about the memory's rate: SmolLM2-135M's four projections of a layer at 64 rows,
-weights cold as in a step, 0.50 against oneDNN's 0.99 ms (at 512 rows 2.5 against 4.5; at 2048 the two
-are even, and oneDNN keeps the larger batches). Its output is rounded to bf16 as oneDNN's is.
+BF16_SMALL_T rows go there where the CPU has no AMX. Its output is the float32 sum, where oneDNN's is
+rounded to bf16.
+Where the CPU has AMX, the weights also have a copy in the tile layout of csrc/linear.c's `linear_tiles`,
+which streams each weight once through the tile unit at about the memory's rate, and every row count up
+to TILES_MAX_T (a decode batch at any load, a short prefill) goes there: SmolLM2-135M's four projections
+of a layer at 64 rows, weights cold as in a step, 0.50 against oneDNN's 0.99 ms (at 512 rows 2.5 against
+4.5; at 2048 the two are even, and oneDNN keeps the larger batches); below BF16_SMALL_T rows it also beats
+the native kernel, whose per-row dot products cost more with each row (all 120 projections of the model,
+weights cold, at 1 row 10.0-11.9 against 15.3-15.7 ms, at 7 rows 9.5-10.0 against 24.8-25.2). Its output
+is rounded to bf16 as oneDNN's is, so on AMX a row's result is the same bits at every batch size.
 
 oneDNN builds (JIT-compiles) a GEMM for each row count it meets and caches it (1,024 entries): a prefill
 of a row count not seen before paid 4-8 ms a projection shape for the build, ~30 ms of a 2,000-row
@@ -51,7 +55,7 @@ from services.scheduler.kernels.cpu_kernels import NativeKernels
 log = logging.getLogger(__name__)
 SMALL_T = 4        # fewer rows than this: F.linear in float32 (oneDNN's call overhead dominates)
 BF16_SMALL_T = 8   # fewer rows than this, with bf16 weights: the native kernel (csrc/linear.c)
-TILES_MAX_T = 512  # from BF16_SMALL_T to this many rows, where the CPU has AMX: linear.c's tile GEMM
+TILES_MAX_T = 512  # up to this many rows, where the CPU has AMX: linear.c's tile GEMM
 PACK_BATCH_HINT = 64
 PAD_FROM = 64      # from this many rows, oneDNN's GEMMs run on padded_rows(rows)
 
@@ -109,13 +113,14 @@ class PackedLinear(nn.Module):
         # bf16 weights: return the GEMM's bf16 output as is, for a consumer that reads bf16 (the
         # native SiLU gate or residual add); it holds the same values as the widened float32.
         self.out_bf16 = False
-        # input_dtype's answer, fixed at load (it is asked per norm per layer per step): the packed bf16
-        # GEMM takes this many rows and more; None: it reads float32 input at every size.
-        self._bf16_from: int | None = (None if self.weight.dtype != torch.bfloat16 else
-                                       BF16_SMALL_T if self.native is not None else 0)
         self.packed = _pack(self.weight)
         # The weight in the tile GEMM's layout (None: no AMX, a shape it does not take, or float32).
         self.tiled = self.native.pack_tiles(self.weight) if self.native is not None else None
+        # input_dtype's answer, fixed at load (it is asked per norm per layer per step): a bf16 GEMM (the
+        # tiles, oneDNN's) takes this many rows and more, the native kernel fewer; None: float32 input
+        # at every size.
+        self._bf16_from: int | None = (None if self.weight.dtype != torch.bfloat16 else
+                                       0 if self.native is None or self.tiled is not None else BF16_SMALL_T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -127,7 +132,7 @@ class PackedLinear(nn.Module):
         # input (x float32, or already bf16 from a kernel that rounded it: input_dtype), widened back
         # unless `out_bf16`; the bias stays float32, added after.
         rows = x.shape[0]
-        if self.native is not None and rows < BF16_SMALL_T and x.stride(-1) == 1:
+        if self.native is not None and self.tiled is None and rows < BF16_SMALL_T and x.stride(-1) == 1:
             y = self.native.linear_bf16w(x.float(), w)  # the float32 sum
         elif self.tiled is not None and rows <= TILES_MAX_T and x.stride(-1) == 1:
             assert self.native is not None  # tiled only with the native kernels
@@ -142,8 +147,7 @@ class PackedLinear(nn.Module):
         """[T] int64: each row's argmax of forward(x), as the greedy sampler picks it (NativeKernels.argmax),
         where the tile GEMM takes these rows; None elsewhere (the caller takes forward's logits)."""
         rows = x.shape[0]
-        if self.tiled is None or self.bias is not None or not BF16_SMALL_T <= rows <= TILES_MAX_T \
-                or x.stride(-1) != 1:
+        if self.tiled is None or self.bias is not None or rows > TILES_MAX_T or x.stride(-1) != 1:
             return None
         assert self.native is not None  # tiled only with the native kernels
         return self.native.linear_tiles_argmax(x, self.tiled)

@@ -7,9 +7,10 @@ module calls, checks, views and allocations, a third of a batch-1 step of SmolLM
 kernels with the same arguments in the same order as the layers do through NativeKernels, and takes
 the final norm and the lm_head back in Python: the same logits, bit for bit.
 
-From BF16_SMALL_T rows on, where the CPU has AMX, the linears are csrc/linear.c's tile GEMM up to
-TILES_MAX_T rows, which the stack calls itself on the weights' tile copies (what PackedLinear.forward calls
-at those rows). Past that, or without AMX, they are oneDNN's packed GEMMs, which only torch calls: the
+Where the CPU has AMX, the linears are csrc/linear.c's tile GEMM up to TILES_MAX_T rows, which the stack
+calls itself on the weights' tile copies (what PackedLinear.forward calls at those rows); without AMX,
+fewer than BF16_SMALL_T rows take the native small-batch kernel, also called from C. Past those, they
+are oneDNN's packed GEMMs, which only torch calls: the
 stack then calls back into Python for each of them (PackedLinear.forward on the input the stack wrote, as
 the layer would call it) and runs everything between them itself, four Python calls a layer instead of a
 dozen module calls and their checks, views and allocations.
@@ -36,7 +37,7 @@ from services.scheduler.kernels.cpu_kernels import (
     check_kv,
     prefix_dtype,
 )
-from services.scheduler.kernels.cpu_linear import TILES_MAX_T, PackedLinear
+from services.scheduler.kernels.cpu_linear import BF16_SMALL_T, TILES_MAX_T, PackedLinear
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -79,8 +80,8 @@ def unsupported(model: torch.nn.Module, backend: object, native: NativeKernels |
 
 
 class NativeDecodeStack:
-    """Runs decode steps through csrc/decode_stack.c: fewer than BF16_SMALL_T rows wholly in C, up to
-    TILES_MAX_T too where every linear has its AMX tile copy, more with the linears called back in Python."""
+    """Runs decode steps through csrc/decode_stack.c: wholly in C up to TILES_MAX_T rows where every linear
+    has its AMX tile copy (else below BF16_SMALL_T rows), more with the linears called back in Python."""
 
     def __init__(self, model: LlamaForCausalLM, backend: TorchSDPABackend, native: NativeKernels) -> None:
         assert unsupported(model, backend, native) is None
@@ -103,6 +104,11 @@ class NativeDecodeStack:
             self.linears.append(linears)
             self.weights.append([lin.weight for lin in linears] + [layer.input_layernorm.weight,
                                                                    layer.post_attention_layernorm.weight])
+        tiles = [lin.tiled is not None for lins in self.linears for lin in lins]
+        # Every linear on the tile GEMM (AMX, every shape a multiple of 32), or none: with some on it, a
+        # step below BF16_SMALL_T rows has no one kernel for all of them, and goes through the layers.
+        self.tiled = all(tiles)
+        self.mixed = any(tiles) and not self.tiled
         # A larger step's state for the callback: each linear's input (in STACK_COLUMNS order: the norms'
         # output twice, the attention's, the gate's), the outputs the C side still reads, the first error.
         self._inputs: list[torch.Tensor] = []
@@ -113,7 +119,8 @@ class NativeDecodeStack:
     def can_run(self, batch: ForwardBatch) -> bool:
         """A pure decode step (call after the backend's init_forward_metadata)."""
         md = self.backend.metadata
-        return batch.mode == ForwardMode.DECODE and md.layout is not None and md.parts is None
+        return batch.mode == ForwardMode.DECODE and md.layout is not None and md.parts is None \
+            and not (self.mixed and len(batch.input_ids) < BF16_SMALL_T)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The step's logits [B, V] float32, as LlamaForCausalLM.forward computes them (batch.greedy: maybe
@@ -125,9 +132,10 @@ class NativeDecodeStack:
         positions = model.rotary.prepare(batch.positions)
         assert isinstance(positions, torch.Tensor)  # the native rotary's: the checked positions
         t = x.shape[0]
-        small = self.linears[0][0].input_dtype(t) == torch.float32  # the native linear kernel takes t rows
-        # Every linear on the tile GEMM at these rows (as PackedLinear.forward picks): the stack calls it itself.
-        tiled = not small and t <= TILES_MAX_T and all(lin.tiled is not None for lins in self.linears for lin in lins)
+        # Every linear on the tile GEMM at these rows (as PackedLinear.forward picks): the stack calls it itself;
+        # else, below BF16_SMALL_T rows, on the native small-batch kernel (no AMX).
+        tiled = self.tiled and t <= TILES_MAX_T
+        small = not tiled and t < BF16_SMALL_T
         args = (x, self._table(layout, tiled), self.heads, self.inter, self.eps, positions, model.rotary.cos,
                 model.rotary.sin, layout, self.scale, backend.kv_pool.dtype)
         if small:

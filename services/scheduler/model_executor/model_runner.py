@@ -145,7 +145,8 @@ class ModelRunner:
             if why is None and self.native is not None:
                 self.decode_stack = NativeDecodeStack(self.model, self.attn_backend, self.native)
                 logger.info("decode: the whole stack in one native call (from %d rows with the linears called "
-                            "back in torch)", cpu_linear.BF16_SMALL_T)
+                            "back in torch)", cpu_linear.TILES_MAX_T + 1 if self.decode_stack.tiled
+                            else cpu_linear.BF16_SMALL_T)
             else:
                 logger.info("decode in one native call: off (%s)", why)
         if synthetic_forward:
