@@ -22,6 +22,8 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+
 from ringserve.errors import AlreadyExists, InvalidArgument, ServiceError, Unavailable
 from ringserve.v1 import api_pb2 as pb
 
@@ -37,8 +39,10 @@ class Generations(Protocol):
 
     async def start(self, req: pb.GenerateRequest, wakeup: Wakeup) -> Any: ...
 
-    def collect(self, call: Any) -> tuple[list[pb.GenerateResponse], bool, ServiceError | None]:
-        """New outputs, whether the call is done, and the error that ended it."""
+    def collect(self, call: Any, into: RepeatedCompositeFieldContainer[pb.GenerateResponse]
+                ) -> tuple[bool, ServiceError | None]:
+        """Add the new outputs to `into` (built in place: a message added to a batch by value is
+        copied); whether the call is done, and the error that ended it."""
         ...
 
     def release(self, call: Any) -> None: ...
@@ -65,8 +69,7 @@ class GenerateSession:
         self.starting: dict[str, asyncio.Task[None]] = {}  # intake in progress
         self.running: dict[str, Any] = {}  # rid -> the manager's call
         self.ready: dict[str, None] = {}  # rids with news, in order (a set that keeps order)
-        self.outputs: list[pb.GenerateResponse] = []
-        self.statuses: list[pb.GenerateStatus] = []
+        self.outbox = pb.GenerateStreamResponse()  # the next batch, built in place
         self.input_done = False
         self._wake = asyncio.Event()  # a generation has news, or the session's state changed
         self._space = asyncio.Event()  # the outbox has room
@@ -149,33 +152,35 @@ class GenerateSession:
             self.gens.release(call)
 
     async def _room(self) -> None:
-        while len(self.outputs) + len(self.statuses) >= self.limit:
+        while self._queued() >= self.limit:
             self._space.clear()
             await self._space.wait()
 
+    def _queued(self) -> int:
+        return len(self.outbox.outputs) + len(self.outbox.statuses)
+
     def _status(self, rid: str, error: ServiceError | None) -> None:
         if error is None:
-            self.statuses.append(pb.GenerateStatus(rid=rid))
+            self.outbox.statuses.add(rid=rid)
         else:
-            self.statuses.append(pb.GenerateStatus(rid=rid, code=error.code.value[0], message=error.message))
+            self.outbox.statuses.add(rid=rid, code=error.code.value[0], message=error.message)
         self._wake.set()
 
     # ---- output ----------------------------------------------------------------------------
 
     def _collect(self) -> None:
         """Take the ready generations' outputs, while the outbox has room; end the finished ones."""
-        while self.ready and len(self.outputs) + len(self.statuses) < self.limit:
+        while self.ready and self._queued() < self.limit:
             rid = next(iter(self.ready))
             del self.ready[rid]
             call = self.running.get(rid)
             if call is None:  # cancelled, or news that arrived during its intake
                 continue
             try:
-                outs, done, error = self.gens.collect(call)
+                done, error = self.gens.collect(call, self.outbox.outputs)
             except Exception as e:  # noqa: BLE001 - one generation's bug must not end the others
                 log.exception("rid=%s generation failed", rid)
-                outs, done, error = [], True, ServiceError(f"internal error: {type(e).__name__}: {e}")
-            self.outputs.extend(outs)
+                done, error = True, ServiceError(f"internal error: {type(e).__name__}: {e}")
             if done or error is not None:
                 del self.running[rid]
                 self.gens.release(call)
@@ -191,9 +196,8 @@ class GenerateSession:
             self._watcher = asyncio.ensure_future(self._watch_stopping(self.stopping))
         while True:
             self._collect()
-            if self.outputs or self.statuses:
-                batch = pb.GenerateStreamResponse(outputs=self.outputs, statuses=self.statuses)
-                self.outputs, self.statuses = [], []
+            if self._queued():
+                batch, self.outbox = self.outbox, pb.GenerateStreamResponse()
                 self._space.set()
                 yield batch
             elif self.finished():

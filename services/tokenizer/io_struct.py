@@ -191,11 +191,15 @@ class GenerateOutput:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # chat with tools
     weight_version: str = "default"  # of the weights of the scheduler serving it
 
-    def to_pb(self) -> api_pb2.GenerateResponse:
+    def to_pb(self, resp: api_pb2.GenerateResponse | None = None) -> api_pb2.GenerateResponse:
+        """This output in `resp` (an empty message, e.g. one just added to a batch: built in place, not
+        copied there) or a new message."""
         # Once per request per step: meta_info is filled in place (a MetaInfo passed to the constructor
         # is copied), and the fields most outputs leave empty are set only when they are not.
-        resp = api_pb2.GenerateResponse(rid=self.rid, index=self.index, text=self.text, output_ids=self.output_ids,
-                                        finished=self.finished)
+        if resp is None:
+            resp = api_pb2.GenerateResponse()
+        resp.rid, resp.index, resp.text, resp.finished = self.rid, self.index, self.text, self.finished
+        resp.output_ids.extend(self.output_ids)
         meta = resp.meta_info
         meta.id, meta.prompt_tokens, meta.completion_tokens = self.rid, self.prompt_tokens, self.completion_tokens
         meta.cached_tokens, meta.weight_version = self.cached_tokens, self.weight_version

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 import grpc
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from ringserve import __version__
 from ringserve.errors import InvalidArgument, ServiceError, Unavailable
@@ -36,9 +37,12 @@ class StreamGenerations:
     async def start(self, req: api_pb2.GenerateRequest, wakeup: Wakeup) -> Call:
         return await self.manager.start(GenerateInput.from_pb(req), wakeup)
 
-    def collect(self, call: Call) -> tuple[list[api_pb2.GenerateResponse], bool, ServiceError | None]:
+    def collect(self, call: Call, into: RepeatedCompositeFieldContainer[api_pb2.GenerateResponse]
+                ) -> tuple[bool, ServiceError | None]:
         outs, error = self.manager.collect(call)
-        return [o.to_pb() for o in outs], call.done, error
+        for o in outs:
+            o.to_pb(into.add())
+        return call.done, error
 
     def release(self, call: Call) -> None:
         self.manager.release(call)

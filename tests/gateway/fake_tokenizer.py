@@ -19,6 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ringserve.errors import ServiceError
@@ -141,9 +142,11 @@ class HandlerGenerations:
             call.done = True
             call.wakeup.set()
 
-    def collect(self, call: _HandlerCall) -> tuple[list[pb.GenerateResponse], bool, ServiceError | None]:
+    def collect(self, call: _HandlerCall, into: RepeatedCompositeFieldContainer[pb.GenerateResponse]
+                ) -> tuple[bool, ServiceError | None]:
         outs, call.outs = call.outs, []
-        return outs, call.done, call.error
+        into.extend(outs)
+        return call.done, call.error
 
     def release(self, call: _HandlerCall) -> None:
         if call.task is not None:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from ringserve.errors import InvalidArgument, ServiceError
 from ringserve.v1 import api_pb2 as pb
@@ -43,15 +44,16 @@ class Fake:
                 call.made += 1
                 call.wakeup.set()
 
-    def collect(self, call: FakeCall) -> tuple[list[pb.GenerateResponse], bool, ServiceError | None]:
+    def collect(self, call: FakeCall, into: RepeatedCompositeFieldContainer[pb.GenerateResponse]
+                ) -> tuple[bool, ServiceError | None]:
         if call.text == "boom":
             raise RuntimeError("bug")
         new = range(call.sent, call.made)
         call.sent = call.made
         done = call.sent == self.steps
-        outs = [pb.GenerateResponse(rid=call.rid, text="".join(map(str, new)), output_ids=list(new),
-                                    finished=done)] if new else []
-        return outs, done, None
+        if new:
+            into.add(rid=call.rid, text="".join(map(str, new)), output_ids=list(new), finished=done)
+        return done, None
 
     def release(self, call: FakeCall) -> None:
         self.released.append(call.rid)
