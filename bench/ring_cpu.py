@@ -12,6 +12,10 @@ system, from /proc) over the streamed output tokens, and the tokens per second t
 It also reports the requests per decode step (the scheduler's counters): each hop of the ring carries
 one step's tokens in one message, so this is the batch each message carried in the run.
 
+The floor, in the same run (`bench.hop_floor`): after each ring run, a bare chain of streams at that
+run's step rate and requests per step, raw TCP and gRPC, none of the ring's own work in it: what two
+services that pass each step's message on and one that reads it pay for the messages alone.
+
 The anchor, in the same run: vLLM's CPU build on the same model (its forward is real), the same
 request shape through its OpenAI API; its API-server process's CPU per output token (its engine
 core runs in a child process, not counted). Run on a quiet machine: the load generator shares it.
@@ -26,12 +30,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import psutil
 
-from bench import bench_serving, step_profile
+from bench import bench_serving, hop_floor, step_profile
 from bench.model_info import resolve
 from bench.report import commit
 from bench.stats import RequestRecord
@@ -41,6 +45,7 @@ from ringserve.model_source import DEFAULT_MODEL
 from ringserve.process import ServiceProcess, free_port, python_cmd
 
 STARTUP_S = 300.0
+FLOOR_MESSAGES = 3000  # per bare-stream chain after a ring run (seconds at the ring's step rate)
 RING = ("gateway", "tokenizer", "detokenizer")
 
 
@@ -70,6 +75,7 @@ class RunCpu:
     failed: int
     services: list[ServiceCpu]
     rows_per_step: float = math.nan  # requests per decode step (the ring's batch per message); nan: vLLM
+    floors: list[hop_floor.Floor] = field(default_factory=list)  # the bare streams at this run's rate and rows
 
     @property
     def tok_s(self) -> float:
@@ -78,9 +84,14 @@ class RunCpu:
     def ring_us_per_token(self) -> float:
         return sum(s.us_per_token for s in self.services if s.service in RING)
 
+    def floor(self, kind: str) -> float:
+        """CPU us per token of the ring's three services at the bare `kind` streams' floor (nan: not run)."""
+        return next((f.ring_us_per_token for f in self.floors if f.kind == kind), math.nan)
+
     def to_dict(self) -> dict:
         return {**asdict(self), "tok_s": self.tok_s, "ring_us_per_token": self.ring_us_per_token(),
-                "us_per_token": {s.service: s.us_per_token for s in self.services}}
+                "us_per_token": {s.service: s.us_per_token for s in self.services},
+                "floor_us_per_token": {f.kind: f.ring_us_per_token for f in self.floors}}
 
 
 def measure(pids: dict[str, list[int]], run: Callable[[], tuple[list[RequestRecord], float]], target: str) -> RunCpu:
@@ -184,9 +195,16 @@ def run_ring(model: Path, replicas: int, w: Workload, out: Path) -> RunCpu:
         run = measure(ring.pids(), lambda: drive(w, ring.gateway_urls, model, "sglang", out),
                       f"ringserve x{replicas}")
         steps = step_profile.delta(steps, step_profile.scrape(ring.scheduler_metrics))
-        return replace(run, rows_per_step=step_profile.summary(steps)["decode_batch"])
+        rows = step_profile.summary(steps)["decode_batch"]
     finally:
         ring.stop()
+    rate = run.tok_s / rows if rows > 0 else math.nan
+    floors = []
+    if math.isfinite(rate):
+        for kind in hop_floor.KINDS:
+            log(f"floor: bare {kind} streams at {rate:,.0f} messages/s of {rows:.0f} rows")
+            floors.append(hop_floor.measure(kind, rate, max(1, round(rows)), FLOOR_MESSAGES))
+    return replace(run, rows_per_step=rows, floors=floors)
 
 
 def run_vllm(model: Path, w: Workload, out: Path) -> RunCpu:
@@ -207,16 +225,22 @@ def run_vllm(model: Path, w: Workload, out: Path) -> RunCpu:
 
 def table(runs: list[RunCpu]) -> str:
     lines = ["| target | output tokens | tok/s | requests per decode step | gateway | tokenizer | detokenizer |"
-             " ring total | scheduler | vLLM API server |", "|---|---|---|---|---|---|---|---|---|---|"]
+             " ring total | floor: gRPC streams | floor: TCP streams | scheduler | vLLM API server |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         us = {s.service: f"{s.us_per_token:,.1f}" for s in r.services}
         if any(n in us for n in RING):
             us["ring"] = f"{r.ring_us_per_token():,.1f}"
-        cells = " | ".join(us.get(n, "") for n in (*RING, "ring", "scheduler", "vllm-api-server"))
+        for kind in hop_floor.KINDS:
+            if math.isfinite(r.floor(kind)):
+                us[kind] = f"{r.floor(kind):,.1f}"
+        cells = " | ".join(us.get(n, "") for n in (*RING, "ring", *hop_floor.KINDS[::-1], "scheduler",
+                                                     "vllm-api-server"))
         rows = "" if math.isnan(r.rows_per_step) else f"{r.rows_per_step:.1f}"
         lines.append(f"| {r.target} | {r.output_tokens:,} | {r.tok_s:,.0f} | {rows} | {cells} |")
     return "\n".join(lines) + "\n\nCPU microseconds per streamed output token (process CPU time / tokens); " \
-        "replicas of a service summed."
+        "replicas of a service summed. Floors: two relays and a sink of bare streams (bench.hop_floor) at the " \
+        "run's decode steps a second and requests per step, per token."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         log(f"{r.target}: {r.output_tokens:,} tokens at {r.tok_s:,.0f} tok/s, {r.rows_per_step:.1f} requests per "
             f"decode step, ring {r.ring_us_per_token():,.1f} us/token "
-            f"({', '.join(f'{s.service} {s.us_per_token:,.1f}' for s in r.services)})")
+            f"({', '.join(f'{s.service} {s.us_per_token:,.1f}' for s in r.services)}; floor: gRPC streams "
+            f"{r.floor('grpc'):,.1f}, TCP {r.floor('tcp'):,.1f})")
     if args.vllm_prompts > 0:
         runs.append(run_vllm(model, replace(w, num_prompts=args.vllm_prompts), out))
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit(), "model": model.name,
