@@ -24,8 +24,8 @@
  * down return bf16, the gate writes down's bf16 input (io[2]); qkv returns float32, the attention writes
  * float32 (io[1]). Per layer that is four calls back into Python instead of about a dozen, and the delta of
  * the last layer is the last DS_DOWN output (`delta` is not written).
- * Where every linear has a copy in the AMX tile layout (linear.c's linear_tiles, from BF16_SMALL_T to
- * TILES_MAX_T rows), `gemm` NULL with `io` given: the stack calls that GEMM itself, the weight columns holding
+ * Where every linear has a copy in the AMX tile layout (linear.c's linear_tiles, up to TILES_MAX_T rows),
+ * `gemm` NULL with `io` given: the stack calls that GEMM itself, the weight columns holding
  * the tile copies and io also the linears' outputs (qkv float32, o, gate_up and down bf16): the same kernel on
  * the same input as the callback's PackedLinear.forward, so the same bits, without four calls into Python a
  * layer; io[6], the last down output, is the last layer's MLP output.
