@@ -237,7 +237,7 @@ def measure(kind: str, rate: float, rows: int, messages: int) -> Floor:
             if not port.isdigit():
                 raise RuntimeError(f"hop_floor {kind} {role} did not start")
         # The sink subscribes to the relay once its clients are connected.
-        subprocess.run([*cmd, "client", "--port", port], check=True)
+        subprocess.run([*cmd, "client", "--port", port], check=True, timeout=messages / rate + 120)
         results = []
         for p in procs[1:]:
             assert p.stdout is not None
