@@ -50,4 +50,3 @@ def test_table_sums_the_ring_and_keeps_the_scheduler_apart() -> None:
     assert "| ringserve x1 | 1,000 | 500 | 21.3 | 10.0 | 20.0 | 30.0 | 60.0 | 25.1 | 13.3 | 500.0 |  |" in text
     assert "| vllm | 100 | 100 |  |  |  |  |  |  |  |  | 200.0 |" in text
     assert run.to_dict()["floor_us_per_token"] == {"tcp": 280 / 21, "grpc": 527 / 21}
-
