@@ -6,6 +6,7 @@ import torch
 
 from services.scheduler.config import EngineConfig
 from services.scheduler.core.engine import Engine
+from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.model_executor.model_runner import SYNTHETIC_LOW_ID, synthetic_tokens
 from services.scheduler.model_executor.sampling import SamplingParams
 
@@ -37,3 +38,28 @@ def test_engine_emits_synthetic_tokens(model_dir: str) -> None:
     # the first token follows the prompt's last token and position, as every later one does
     want = synthetic_tokens(torch.tensor([339]), torch.tensor([39]), engine.runner.vocab_size, list(eos))
     assert outs[0][0] == int(want[0])
+
+
+def test_greedy_decode_steps_get_the_tokens_the_logits_would_give(model_dir: str) -> None:
+    """A greedy decode batch gets the [B] tokens without the [B, V] logits; any other batch gets logits
+    whose argmax is those tokens, so sampled and greedy requests see the same sequence."""
+    threads = torch.get_num_threads()
+    try:
+        engine = Engine(EngineConfig(model=model_dir, device="cpu", synthetic_forward=True))
+    finally:
+        torch.set_num_threads(threads)
+    runner = engine.runner
+    ids, pos = torch.tensor([400, 401, 402]), torch.tensor([7, 8, 9])
+    batch = ForwardBatch(ForwardMode.DECODE, ids, pos, out_cache_loc=torch.zeros(3, dtype=torch.int64),
+                         req_pool_indices=torch.arange(3), seq_lens=pos + 1, extend_lens=[1, 1, 1],
+                         prefix_lens=[7, 8, 9], seq_lens_cpu=[8, 9, 10])
+    logits = runner.forward(batch)
+    assert logits.shape == (3, runner.vocab_size)
+    batch.greedy = True
+    got = runner.forward(batch)
+    assert got.shape == (3,) and torch.equal(got, logits.argmax(dim=1))
+    # greedy and sampled requests alike: the same tokens through the engine
+    prompts = [list(range(300, 310))] * 2
+    greedy, sampled = (engine.generate([p], SamplingParams(temperature=t, max_new_tokens=6))[0].output_ids
+                       for p, t in zip(prompts, (0.0, 0.8)))
+    assert greedy == sampled

@@ -318,7 +318,7 @@ class ModelRunner:
         request's last logit_rows[b] new tokens, [sum(logit_rows), V]; with batch.greedy maybe their
         argmax ids instead, [B] int64)."""
         if self.synthetic_forward:
-            return self.synthetic_logits(batch)
+            return self.synthetic_outputs(batch)
         if batch.lora_ids is not None and self.lora is not None:
             # Eager: the captured graphs hold the base model only (the LoRA plan changes every batch).
             self.lora.begin(batch.lora_ids, batch.extend_lens)
@@ -330,11 +330,16 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(batch)
         return self.forward_eager(batch)
 
-    def synthetic_logits(self, batch: ForwardBatch) -> torch.Tensor:
+    def synthetic_outputs(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, V] float32 (R as `forward`) that put all the mass on `synthetic_tokens` of each
-        logit row: greedy and sampled requests alike get those tokens, so a run is repeatable."""
+        logit row: greedy and sampled requests alike get those tokens, so a run is repeatable. A greedy
+        decode batch (batch.greedy) gets the [B] int64 tokens themselves, as the model's fused argmax
+        gives them: building and scanning [B, V] logits (12.6 MB at 64 x 49,152) each step would be
+        the step's largest cost, in the CPU and memory the benchmarked services share."""
         if batch.mode == ForwardMode.DECODE:
             ids, pos = batch.input_ids, batch.positions  # [B]
+            if batch.greedy:
+                return synthetic_tokens(ids, pos, self.vocab_size, self.eos_token_ids)
         else:
             index = _logit_index(batch.extend_lens, batch.logit_rows, self.device)
             ids = batch.input_ids if index is None else batch.input_ids.index_select(0, index)  # [R]
