@@ -116,11 +116,6 @@ class PackedLinear(nn.Module):
         self.packed = _pack(self.weight)
         # The weight in the tile GEMM's layout (None: no AMX, a shape it does not take, or float32).
         self.tiled = self.native.pack_tiles(self.weight) if self.native is not None else None
-        # input_dtype's answer, fixed at load (it is asked per norm per layer per step): a bf16 GEMM (the
-        # tiles, oneDNN's) takes this many rows and more, the native kernel fewer; None: float32 input
-        # at every size.
-        self._bf16_from: int | None = (None if self.weight.dtype != torch.bfloat16 else
-                                       0 if self.native is None or self.tiled is not None else BF16_SMALL_T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -131,11 +126,12 @@ class PackedLinear(nn.Module):
         # bf16 weights under float32 activations: a bf16 GEMM (float32 accumulation) on the rounded
         # input (x float32, or already bf16 from a kernel that rounded it: input_dtype), widened back
         # unless `out_bf16`; the bias stays float32, added after.
-        rows = x.shape[0]
-        if self.native is not None and self.tiled is None and rows < BF16_SMALL_T and x.stride(-1) == 1:
+        kernel = self.kernel(x.shape[0]) if x.stride(-1) == 1 else "onednn"
+        if kernel == "small":
+            assert self.native is not None
             y = self.native.linear_bf16w(x.float(), w)  # the float32 sum
-        elif self.tiled is not None and rows <= TILES_MAX_T and x.stride(-1) == 1:
-            assert self.native is not None  # tiled only with the native kernels
+        elif kernel == "tiles":
+            assert self.native is not None and self.tiled is not None
             y = self.native.linear_tiles(x, self.tiled, torch.bfloat16 if self.out_bf16 else torch.float32)
         else:
             y = self._onednn(x, None)
@@ -146,11 +142,17 @@ class PackedLinear(nn.Module):
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """[T] int64: each row's argmax of forward(x), as the greedy sampler picks it (NativeKernels.argmax),
         where the tile GEMM takes these rows; None elsewhere (the caller takes forward's logits)."""
-        rows = x.shape[0]
-        if self.tiled is None or self.bias is not None or rows > TILES_MAX_T or x.stride(-1) != 1:
+        if self.bias is not None or x.stride(-1) != 1 or self.kernel(x.shape[0]) != "tiles":
             return None
-        assert self.native is not None  # tiled only with the native kernels
+        assert self.native is not None and self.tiled is not None
         return self.native.linear_tiles_argmax(x, self.tiled)
+
+    def kernel(self, rows: int) -> str:
+        """Which GEMM `forward` runs on `rows` rows of contiguous input with bf16 weights: "small" (the native
+        small-batch kernel, float32 sums; no AMX), "tiles" (linear.c's tile GEMM) or "onednn"."""
+        if self.tiled is not None:
+            return "tiles" if rows <= TILES_MAX_T else "onednn"
+        return "small" if self.native is not None and rows < BF16_SMALL_T else "onednn"
 
     def _onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The packed GEMM on x [T, in] (rounded to the weight's dtype) at padded_rows(T) rows: [T, out]
@@ -168,7 +170,9 @@ class PackedLinear(nn.Module):
     def input_dtype(self, rows: int) -> torch.dtype:
         """The dtype the GEMM reads for `rows` rows: bf16 where the packed bf16 GEMM takes them, so a
         kernel writing this layer's input can round it itself (the same bits as the .to() here)."""
-        return torch.bfloat16 if self._bf16_from is not None and rows >= self._bf16_from else torch.float32
+        if self.weight.dtype != torch.bfloat16 or self.kernel(rows) == "small":
+            return torch.float32
+        return torch.bfloat16
 
     def repack(self) -> None:
         """Re-pack after the weight (or the tied source) changed in place."""

@@ -37,7 +37,7 @@ from services.scheduler.kernels.cpu_kernels import (
     check_kv,
     prefix_dtype,
 )
-from services.scheduler.kernels.cpu_linear import BF16_SMALL_T, TILES_MAX_T, PackedLinear
+from services.scheduler.kernels.cpu_linear import PackedLinear
 from services.scheduler.model_executor.forward_batch import ForwardBatch, ForwardMode
 from services.scheduler.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
@@ -105,10 +105,12 @@ class NativeDecodeStack:
             self.weights.append([lin.weight for lin in linears] + [layer.input_layernorm.weight,
                                                                    layer.post_attention_layernorm.weight])
         tiles = [lin.tiled is not None for lins in self.linears for lin in lins]
-        # Every linear on the tile GEMM (AMX, every shape a multiple of 32), or none: with some on it, a
-        # step below BF16_SMALL_T rows has no one kernel for all of them, and goes through the layers.
+        # Every linear on the tile GEMM (AMX, every shape a multiple of 32), or none; with some on it
+        # (`mixed`), their kernels differ at every row count: a step the small-batch kernel would take a
+        # part of goes through the layers, a larger one calls every linear back.
         self.tiled = all(tiles)
         self.mixed = any(tiles) and not self.tiled
+        self._first = self.linears[0][0]  # with `mixed` off, every linear picks the kernel it picks
         # A larger step's state for the callback: each linear's input (in STACK_COLUMNS order: the norms'
         # output twice, the attention's, the gate's), the outputs the C side still reads, the first error.
         self._inputs: list[torch.Tensor] = []
@@ -120,7 +122,8 @@ class NativeDecodeStack:
         """A pure decode step (call after the backend's init_forward_metadata)."""
         md = self.backend.metadata
         return batch.mode == ForwardMode.DECODE and md.layout is not None and md.parts is None \
-            and not (self.mixed and len(batch.input_ids) < BF16_SMALL_T)
+            and not (self.mixed and any(lin.kernel(len(batch.input_ids)) == "small"
+                                        for lins in self.linears for lin in lins))
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The step's logits [B, V] float32, as LlamaForCausalLM.forward computes them (batch.greedy: maybe
@@ -132,10 +135,10 @@ class NativeDecodeStack:
         positions = model.rotary.prepare(batch.positions)
         assert isinstance(positions, torch.Tensor)  # the native rotary's: the checked positions
         t = x.shape[0]
-        # Every linear on the tile GEMM at these rows (as PackedLinear.forward picks): the stack calls it itself;
-        # else, below BF16_SMALL_T rows, on the native small-batch kernel (no AMX).
-        tiled = self.tiled and t <= TILES_MAX_T
-        small = not tiled and t < BF16_SMALL_T
+        # The kernel every linear takes at these rows (PackedLinear.kernel): the tile GEMM or the native
+        # small-batch kernel, both called by the stack itself; else each linear is called back.
+        kernel = "callback" if self.mixed else self._first.kernel(t)
+        tiled, small = kernel == "tiles", kernel == "small"
         args = (x, self._table(layout, tiled), self.heads, self.inter, self.eps, positions, model.rotary.cos,
                 model.rotary.sin, layout, self.scale, backend.kv_pool.dtype)
         if small:
