@@ -197,8 +197,9 @@ def report(title: str, timers: Timers, totals: dict[str, float], steps: int,
     return "\n".join(lines)
 
 
-def fill(engine: Any, n: int, prompt_len: int, seed: int, new_tokens: int) -> list[str]:
-    """Bring n requests of prompt_len random tokens into the running batch (their prefill done).
+def fill(engine: Any, n: int, prompt_len: int, seed: int, new_tokens: int) -> tuple[list[str], int]:
+    """Bring n requests of prompt_len random tokens into the running batch (their prefill done); returns
+    their ids and the steps it took.
 
     Each asks for just the `new_tokens` the profile will run: the scheduler reserves KV for what a
     running request may still write, so an unbounded ask admits only a few requests at a time."""
@@ -212,9 +213,11 @@ def fill(engine: Any, n: int, prompt_len: int, seed: int, new_tokens: int) -> li
                 params=params, stream=True) for i in range(n)]
     for r in reqs:
         engine.submit(r)
+    steps = 0
     while any(not r.output_ids for r in reqs):
         engine.step()
-    return [r.rid for r in reqs]
+        steps += 1
+    return [r.rid for r in reqs], steps
 
 
 def drop(engine: Any, rids: list[str]) -> None:
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     # otherwise use up their few new tokens before the last one joins.
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype=args.dtype,
                                  kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=pool,
-                                 max_running_requests=max(batches + [1]), disable_radix_cache=True,
+                                 max_running_requests=max(batches + [args.prefill_requests]), disable_radix_cache=True,
                                  disable_decode_interleave=True))
     engine.warmup()
     dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16() else [])
@@ -266,17 +269,20 @@ def main(argv: list[str] | None = None) -> int:
         n = args.prefill_requests
         log(f"prefill of {n} x {args.prefill} tokens, once untimed first (oneDNN builds its GEMMs for a new "
             f"row count on first use)")
-        drop(engine, fill(engine, n, args.prefill, seed=1, new_tokens=2))
+        drop(engine, fill(engine, n, args.prefill, seed=1, new_tokens=2)[0])
         timers.seconds.clear()
         totals.clear()
-        rids = fill(engine, n, args.prefill, seed=0, new_tokens=2)
+        rids, steps = fill(engine, n, args.prefill, seed=0, new_tokens=2)
+        if steps != 1:  # the table is per step: a split prefill would read as one slow one
+            raise SystemExit(f"the profiled prefill took {steps} steps, not one: at most "
+                             f"{engine.cfg.max_prefill_tokens} prompt tokens a step")
         rows = dict.fromkeys(shapes, n * args.prefill) | {"linear lm_head": n}
         print(report(f"prefill, {n} x {args.prefill} tokens", timers, totals, 1,
                      gemm_table(shapes, rows, dtypes), dtypes) + "\n", flush=True)
         drop(engine, rids)
     for b in batches:
         log(f"decode at batch {b}: prefilling {b} x {args.context} tokens first")
-        rids = fill(engine, b, args.context, seed=b, new_tokens=2 * args.steps + 3)
+        rids, _ = fill(engine, b, args.context, seed=b, new_tokens=2 * args.steps + 3)
         # One untimed step first: in it every request joins decode at once and the CPU backend copies
         # its whole prefix into a dense row, a cost that serving spreads over requests' arrivals.
         t0 = time.perf_counter()

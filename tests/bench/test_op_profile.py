@@ -38,6 +38,21 @@ def test_profile_prints_every_family(model_dir: str, capsys: pytest.CaptureFixtu
     assert re.search(r"step / that = \d+\.\d\dx", out)
 
 
+def test_prefill_of_more_requests_than_the_decode_batch_is_one_step(model_dir: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine admits every profiled prefill request at once: with room for only the largest decode
+    batch, 4 requests prefilled one a step and the table read as one slow step."""
+    assert op_profile.main(["--model", model_dir, "--batches", "1", "--context", "8", "--prefill", "16",
+                            "--prefill-requests", "4", "--steps", "1"]) == 0
+    assert "### prefill, 4 x 16 tokens" in capsys.readouterr().out
+
+
+def test_a_prefill_split_over_steps_is_refused(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(op_profile, "fill", lambda *a, **k: (["r"], 2))
+    with pytest.raises(SystemExit, match="took 2 steps, not one"):
+        op_profile.main(["--model", model_dir, "--batches", "1", "--context", "8", "--prefill", "16"])
+
+
 def test_profile_times_the_one_call_stack_after_the_ops(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     """bf16 linears on CPU: the ops are timed on the Python layers, then the same batch through the stack."""
     from services.scheduler.kernels import cpu_linear
