@@ -562,6 +562,31 @@ def test_extend_on_tiles_matches_the_float32_kernel(kernel, threads: int, heads:
         torch.testing.assert_close(got, want, rtol=0.0, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", NARROW_KV[1:], ids=str)
+def test_extend_on_tiles_over_fp8_is_the_bf16_pool_of_the_same_values(kernel, threads: int,
+                                                                      dtype: torch.dtype) -> None:
+    """Every fp8 value is a bf16 one, and the tiles take bf16: an fp8 pool's rows, widened as they are
+    gathered (16 positions at a time, then the last few one by one), give the same bits as a bf16 pool
+    holding the same values."""
+    heads, group, dim = 3, 3, 64
+    if not kernel.tiles_for(dtype, dim):
+        pytest.skip("no AMX-BF16 tiles on this CPU")
+    torch.manual_seed(11)
+    lens, prefix = [300, 37, 5], [0, 19, 70]
+    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
+    kt, v = torch.randn(len(lens), heads, dim, l_cap), torch.randn(len(lens), heads, l_cap, dim)
+    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
+    (pool_k, k32), (pool_v, v32) = widened(pool_k, dtype), widened(pool_v, dtype)
+    q = torch.randn(sum(lens), heads, group, dim)
+    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    for window in (None, 50):
+        got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, window=window, tiles=True)
+        want = kernel.extend_attention(q, k32.to(torch.bfloat16), v32.to(torch.bfloat16), layout, dim ** -0.5,
+                                       window=window, tiles=True)
+        assert torch.equal(got, want), window
+
+
 @pytest.mark.parametrize("tiles", [False, True], ids=["rows", "tiles"])
 def test_extend_reads_queries_at_their_row_stride(kernel, threads: int, tiles: bool) -> None:
     """q as the model hands it over, a view of the rotated q/k rows ([T, Hq + Hkv, D], keys after the

@@ -1182,16 +1182,30 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
-/* Positions sl[0..16) of KV head h from a bf16 pool into the tile layouts (extend_tile_task): K^T pairs of
- * dimensions, kt[j * L32 + l] (32-bit words), by 16 x 16 transposes; V pairs of positions, vt[(l / 2) * 2 D +
- * 2 d + l % 2], by interleaving two rows. A word or element at a time this was a tenth of a prefill's
- * attention after a shared prefix (each request gathers the prefix again). D a multiple of 32. */
-static inline __attribute__((always_inline)) void tile_gather16(const void *pool_k, const void *pool_v,
-                                                                 const int64_t *sl, int64_t H, int64_t h,
-                                                                 uint32_t *kt, int64_t L32, uint16_t *vt,
-                                                                 const int64_t D) {
+/* out[0..D) = the fp8 row x[0..D) as bf16 (every fp8 value is one, so exactly), 16 at a time where the CPU
+ * has AVX-512 (one element at a time this was a third of a prefill's attention over an fp8 pool). */
+static inline __attribute__((always_inline)) void widen_bf16(const void *restrict x, uint16_t *restrict out,
+                                                              const int64_t D, const int KV) {
+    int64_t d = 0;
+#ifdef X8
+    const __m512 unit = _mm512_set1_ps(FP8_UNIT(KV));
+    for (; d + 16 <= D; d += 16)
+        _mm256_storeu_si256((__m256i *)(out + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                fp8x16(_mm_loadu_si128((const __m128i *)((const uint8_t *)x + d)), KV), unit)));
+#endif
+    for (; d < D; d++) st(out, d, ld(x, d, KV), KV_BF16);
+}
+
+/* 16 positions' bf16 K and V rows (kr[l], vr[l]: D elements each) into the tile layouts (extend_tile_task):
+ * K^T pairs of dimensions, kt[j * L32 + l] (32-bit words), by 16 x 16 transposes; V pairs of positions,
+ * vt[(l / 2) * 2 D + 2 d + l % 2], by interleaving two rows. A word or element at a time this was a tenth of
+ * a prefill's attention after a shared prefix (each request gathers the prefix again). D a multiple of 32. */
+static inline __attribute__((always_inline)) void tile_gather16(const uint16_t *const kr[16],
+                                                                 const uint16_t *const vr[16], uint32_t *kt,
+                                                                 int64_t L32, uint16_t *vt, const int64_t D) {
     const uint32_t *kw[16];
-    for (int i = 0; i < 16; i++) kw[i] = (const uint32_t *)KV_AT(pool_k, (sl[i] * H + h) * D, KV_BF16);
+    for (int i = 0; i < 16; i++) kw[i] = (const uint32_t *)kr[i];
     for (int64_t j = 0; j < D / 2; j += 16) {
         __m512i r[16];
         for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(kw[i] + j);
@@ -1203,8 +1217,7 @@ static inline __attribute__((always_inline)) void tile_gather16(const void *pool
                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int i = 0; i < 16; i += 2) {
-        const uint16_t *a = (const uint16_t *)KV_AT(pool_v, (sl[i] * H + h) * D, KV_BF16);
-        const uint16_t *b = (const uint16_t *)KV_AT(pool_v, (sl[i + 1] * H + h) * D, KV_BF16);
+        const uint16_t *a = vr[i], *b = vr[i + 1];
         uint16_t *out = vt + i * D;
         for (int64_t d = 0; d < D; d += 32) {
             const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
@@ -1236,9 +1249,21 @@ static inline __attribute__((always_inline)) void extend_tile_task(
     uint16_t *qb = pb + 32 * Lp;               /* 32 x D */
     float *ob = (float *)(qb + 32 * D);        /* 32 x D */
     int64_t l0 = 0;
-    if (SKV == KV_BF16)
-        for (; l0 + 16 <= nk; l0 += 16)
-            tile_gather16(pool_k, pool_v, slots + g0 + l0, H, h, kt + l0, L32, vt + l0 * D, D);
+    for (; l0 + 16 <= nk; l0 += 16) {
+        const uint16_t *kr[16], *vr[16];
+        uint16_t wide[2][16][DMAX]; /* fp8: the 16 positions' rows widened to bf16 first */
+        for (int i = 0; i < 16; i++) {
+            const int64_t at = (slots[g0 + l0 + i] * H + h) * D;
+            if (SKV == KV_BF16) {
+                kr[i] = (const uint16_t *)KV_AT(pool_k, at, SKV), vr[i] = (const uint16_t *)KV_AT(pool_v, at, SKV);
+            } else {
+                widen_bf16(KV_AT(pool_k, at, SKV), wide[0][i], D, SKV);
+                widen_bf16(KV_AT(pool_v, at, SKV), wide[1][i], D, SKV);
+                kr[i] = wide[0][i], vr[i] = wide[1][i];
+            }
+        }
+        tile_gather16(kr, vr, kt + l0, L32, vt + l0 * D, D);
+    }
     for (int64_t l = l0; l < L32; l++) {
         const int64_t at = l < nk ? (slots[g0 + l] * H + h) * D : -1;
         uint16_t *vr = vt + (l / 2) * 2 * D + (l & 1);
