@@ -413,6 +413,24 @@ def widened(t: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch
     return narrow, narrow.float()
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def pooled_extend(lens: list[int], prefix: list[int], heads: int, group: int, dim: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, Pair, Pair, cpu_kernels.ExtendLayout]:
+    """An extend batch: request b's lens[b] new tokens after prefix[b] cached ones, every key in a pool of
+    `dtype` at random slots, the same values in float32 beside it; q [T, heads, group, dim]. Returns q,
+    (pool_k, pool_v), their float32 values and the layout."""
+    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
+    kt, v = torch.randn(len(lens), heads, dim, l_cap), torch.randn(len(lens), heads, l_cap, dim)
+    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
+    (pool_k, k32), (pool_v, v32) = widened(pool_k, dtype), widened(pool_v, dtype)
+    q = torch.randn(sum(lens), heads, group, dim)
+    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    return q, (pool_k, pool_v), (k32, v32), layout
+
+
 @pytest.mark.parametrize("dtype", NARROW_KV, ids=str)
 def test_fp8_codecs_are_torchs_conversions(kernel, dtype: torch.dtype) -> None:
     """The kernels' fp8 reading of all 256 codes is torch's (an E4M3 NaN code reads as 480: the kernels
@@ -517,15 +535,8 @@ def test_extend_over_a_narrow_pool_is_the_float32_kernel_on_the_rounded_keys(ker
     """A bf16 or fp8 pool widened into the float32 tiles (fp8 rows 16 values at a time where the CPU
     has AVX-512, a head_dim that is no multiple of 16 ends in the portable loop)."""
     torch.manual_seed(heads + group + dim)
-    lens, prefix = [1, 40, 5, 17, 9], [0, 0, 33, 2, 20]
-    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
-    b = len(lens)
-    kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
-    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
-    (pool_k, pool_k32), (pool_v, pool_v32) = widened(pool_k, dtype), widened(pool_v, dtype)
-    q = torch.randn(sum(lens), heads, group, dim)
-    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
-    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    q, (pool_k, pool_v), (pool_k32, pool_v32), layout = pooled_extend([1, 40, 5, 17, 9], [0, 0, 33, 2, 20],
+                                                                      heads, group, dim, dtype)
     for window in (None, 6):
         got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, window=window, tiles=False)
         want = kernel.extend_attention(q, pool_k32, pool_v32, layout, dim ** -0.5, window=window)
@@ -546,14 +557,7 @@ def test_extend_on_tiles_matches_the_float32_kernel(kernel, threads: int, heads:
     if not kernel.tiles_for(dtype, dim):
         pytest.skip("no AMX-BF16 tiles on this CPU")
     torch.manual_seed(heads + group + dim)
-    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
-    b = len(lens)
-    kt, v = torch.randn(b, heads, dim, l_cap), torch.randn(b, heads, l_cap, dim)
-    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
-    q = torch.randn(sum(lens), heads, group, dim)
-    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
-    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
-    (pool_k, _), (pool_v, _) = widened(pool_k, dtype), widened(pool_v, dtype)
+    q, (pool_k, pool_v), _, layout = pooled_extend(lens, prefix, heads, group, dim, dtype)
     for window in (None, 6, 50):
         got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, window=window, tiles=True)
         want = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, window=window, tiles=False)
@@ -572,14 +576,7 @@ def test_extend_on_tiles_over_fp8_is_the_bf16_pool_of_the_same_values(kernel, th
     if not kernel.tiles_for(dtype, dim):
         pytest.skip("no AMX-BF16 tiles on this CPU")
     torch.manual_seed(11)
-    lens, prefix = [300, 37, 5], [0, 19, 70]
-    l_cap = max(n + p for n, p in zip(lens, prefix)) + 3
-    kt, v = torch.randn(len(lens), heads, dim, l_cap), torch.randn(len(lens), heads, l_cap, dim)
-    pool_k, pool_v, slots = pooled(kt, v, [n + p for n, p in zip(lens, prefix)])
-    (pool_k, k32), (pool_v, v32) = widened(pool_k, dtype), widened(pool_v, dtype)
-    q = torch.randn(sum(lens), heads, group, dim)
-    q_start = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
-    layout = cpu_kernels.extend_layout(slots, q_start, torch.tensor(prefix, dtype=torch.int64), len(pool_k))
+    q, (pool_k, pool_v), (k32, v32), layout = pooled_extend([300, 37, 5], [0, 19, 70], heads, group, dim, dtype)
     for window in (None, 50):
         got = kernel.extend_attention(q, pool_k, pool_v, layout, dim ** -0.5, window=window, tiles=True)
         want = kernel.extend_attention(q, k32.to(torch.bfloat16), v32.to(torch.bfloat16), layout, dim ** -0.5,
