@@ -18,7 +18,7 @@ The ops are timed on the Python layers; where the engine has the one-call native
 
 Beside each linear row: the same matmuls as plain `F.linear` calls on fresh tensors (float32 and,
 where the CPU has AVX512-BF16 or AMX, bfloat16), so the step can be read against the machine's GEMM
-rate: "step / linears at the GEMM rate" is the ratio the speed issue asks to bring under 1.5. Below the
+rate: "step / linears at the GEMM rate" says how far the step is from its matmuls alone. Below the
 decode table, the memory floor: the bytes a step cannot avoid reading (every weight once, every request's
 K and V over its context in every layer) at the rate a streaming read reaches in the same process, and
 the served step against it.
