@@ -1182,19 +1182,14 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
-/* out[0..D) = the fp8 row x[0..D) as bf16 (every fp8 value is one, so exactly), 16 at a time where the CPU
- * has AVX-512 (one element at a time this was a third of a prefill's attention over an fp8 pool). */
+/* out[0..D) = the fp8 row x[0..D) as bf16: widened to float32 (`widen`, 16 at a time where the CPU has
+ * AVX-512), then rounded (`to_bf16`), which every fp8 value survives exactly. One element at a time this
+ * was a third of a prefill's attention over an fp8 pool. */
 static inline __attribute__((always_inline)) void widen_bf16(const void *restrict x, uint16_t *restrict out,
                                                               const int64_t D, const int KV) {
-    int64_t d = 0;
-#ifdef X8
-    const __m512 unit = _mm512_set1_ps(FP8_UNIT(KV));
-    for (; d + 16 <= D; d += 16)
-        _mm256_storeu_si256((__m256i *)(out + d),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
-                                fp8x16(_mm_loadu_si128((const __m128i *)((const uint8_t *)x + d)), KV), unit)));
-#endif
-    for (; d < D; d++) st(out, d, ld(x, d, KV), KV_BF16);
+    float row[DMAX];
+    widen(x, row, D, KV);
+    to_bf16(row, out, D);
 }
 
 /* 16 positions' bf16 K and V rows (kr[l], vr[l]: D elements each) into the tile layouts (extend_tile_task):
