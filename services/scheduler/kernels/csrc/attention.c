@@ -1265,14 +1265,18 @@ static inline __attribute__((always_inline)) void extend_tile_task(
         if (at < 0) {
             for (int64_t j = 0; j < D / 2; j++) kt[j * L32 + l] = 0u;
             for (int64_t d = 0; d < D; d++) vr[2 * d] = 0;
-        } else if (SKV == KV_BF16) { /* as stored: a pair of dimensions is one 32-bit word */
-            const uint32_t *kw = (const uint32_t *)KV_AT(pool_k, at, SKV);
+        } else { /* bf16 rows (fp8 ones widened first): a pair of dimensions is one 32-bit word */
+            uint16_t wide[2][DMAX] __attribute__((aligned(4)));
+            const uint16_t *kr = (const uint16_t *)KV_AT(pool_k, at, SKV);
             const uint16_t *vw = (const uint16_t *)KV_AT(pool_v, at, SKV);
+            if (SKV != KV_BF16) {
+                widen_bf16(KV_AT(pool_k, at, SKV), wide[0], D, SKV);
+                widen_bf16(KV_AT(pool_v, at, SKV), wide[1], D, SKV);
+                kr = wide[0], vw = wide[1];
+            }
+            const uint32_t *kw = (const uint32_t *)kr;
             for (int64_t j = 0; j < D / 2; j++) kt[j * L32 + l] = kw[j];
             for (int64_t d = 0; d < D; d++) vr[2 * d] = vw[d];
-        } else { /* fp8: every value is a bf16 one */
-            for (int64_t d = 0; d < D; d++) st(kt, 2 * (d / 2 * L32 + l) + d % 2, ld(pool_k, at + d, SKV), KV_BF16);
-            for (int64_t d = 0; d < D; d++) st(vr, 2 * d, ld(pool_v, at + d, SKV), KV_BF16);
         }
     }
     tiles_begin();
