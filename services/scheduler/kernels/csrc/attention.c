@@ -1192,6 +1192,15 @@ static inline __attribute__((always_inline)) void widen_bf16(const void *restric
     to_bf16(row, out, D);
 }
 
+/* Row `at` of a bf16 or fp8 pool as bf16: the pool's own row, or the fp8 one widened into buf[0..D). */
+static inline __attribute__((always_inline)) const uint16_t *bf16_row(const void *pool, const int64_t at,
+                                                                       uint16_t *buf, const int64_t D,
+                                                                       const int KV) {
+    if (KV == KV_BF16) return (const uint16_t *)KV_AT(pool, at, KV);
+    widen_bf16(KV_AT(pool, at, KV), buf, D, KV);
+    return buf;
+}
+
 /* 16 positions' bf16 K and V rows (kr[l], vr[l]: D elements each) into the tile layouts (extend_tile_task):
  * K^T pairs of dimensions, kt[j * L32 + l] (32-bit words), by 16 x 16 transposes; V pairs of positions,
  * vt[(l / 2) * 2 D + 2 d + l % 2], by interleaving two rows. A word or element at a time this was a tenth of
@@ -1249,13 +1258,7 @@ static inline __attribute__((always_inline)) void extend_tile_task(
         uint16_t wide[2][16][DMAX]; /* fp8: the 16 positions' rows widened to bf16 first */
         for (int i = 0; i < 16; i++) {
             const int64_t at = (slots[g0 + l0 + i] * H + h) * D;
-            if (SKV == KV_BF16) {
-                kr[i] = (const uint16_t *)KV_AT(pool_k, at, SKV), vr[i] = (const uint16_t *)KV_AT(pool_v, at, SKV);
-            } else {
-                widen_bf16(KV_AT(pool_k, at, SKV), wide[0][i], D, SKV);
-                widen_bf16(KV_AT(pool_v, at, SKV), wide[1][i], D, SKV);
-                kr[i] = wide[0][i], vr[i] = wide[1][i];
-            }
+            kr[i] = bf16_row(pool_k, at, wide[0][i], D, SKV), vr[i] = bf16_row(pool_v, at, wide[1][i], D, SKV);
         }
         tile_gather16(kr, vr, kt + l0, L32, vt + l0 * D, D);
     }
@@ -1267,14 +1270,8 @@ static inline __attribute__((always_inline)) void extend_tile_task(
             for (int64_t d = 0; d < D; d++) vr[2 * d] = 0;
         } else { /* bf16 rows (fp8 ones widened first): a pair of dimensions is one 32-bit word */
             uint16_t wide[2][DMAX] __attribute__((aligned(4)));
-            const uint16_t *kr = (const uint16_t *)KV_AT(pool_k, at, SKV);
-            const uint16_t *vw = (const uint16_t *)KV_AT(pool_v, at, SKV);
-            if (SKV != KV_BF16) {
-                widen_bf16(KV_AT(pool_k, at, SKV), wide[0], D, SKV);
-                widen_bf16(KV_AT(pool_v, at, SKV), wide[1], D, SKV);
-                kr = wide[0], vw = wide[1];
-            }
-            const uint32_t *kw = (const uint32_t *)kr;
+            const uint32_t *kw = (const uint32_t *)bf16_row(pool_k, at, wide[0], D, SKV);
+            const uint16_t *vw = bf16_row(pool_v, at, wide[1], D, SKV);
             for (int64_t j = 0; j < D / 2; j++) kt[j * L32 + l] = kw[j];
             for (int64_t d = 0; d < D; d++) vr[2 * d] = vw[d];
         }
